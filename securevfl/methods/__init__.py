@@ -1,0 +1,50 @@
+"""Method registry. Importing this package registers every built-in method."""
+
+from __future__ import annotations
+
+from securevfl.methods.base import (
+    ActiveContext,
+    ActiveMethod,
+    MethodSpec,
+    PartyMethod,
+    SumSpec,
+    UnknownOperation,
+    register_method,
+    registry,
+)
+
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from securevfl.methods import splitnn  # noqa: F401  (registers on import)
+
+
+def method_names() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(sorted(registry()))
+
+
+def method_spec(name: str) -> MethodSpec:
+    _load_builtin()
+    try:
+        return registry()[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; known: {', '.join(method_names())}") from None
+
+
+__all__ = [
+    "ActiveContext",
+    "ActiveMethod",
+    "MethodSpec",
+    "PartyMethod",
+    "SumSpec",
+    "UnknownOperation",
+    "method_names",
+    "method_spec",
+    "register_method",
+]

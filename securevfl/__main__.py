@@ -1,0 +1,3 @@
+from securevfl.cli import main
+
+raise SystemExit(main())

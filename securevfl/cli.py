@@ -1,0 +1,210 @@
+"""Command line: `securevfl run | aggregator | active | party | keys | split | demo | audit`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from securevfl.config import ConfigError, RunConfig, load_config
+from securevfl.roles import protocol as P
+
+EXAMPLES = Path(__file__).parent / "examples"
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """`--set run.aggregation=plain` -> {"run.aggregation": "plain"} (values parsed as TOML)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError("--set", f"expected SECTION.KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value  # a bare string
+    return out
+
+
+def _role_args(p: argparse.ArgumentParser, *, name: bool = False, data: bool = True,
+               resume: bool = True) -> None:
+    p.add_argument("--config", required=True, type=Path, help="the federation's TOML config")
+    p.add_argument("--out", type=Path, default=Path("run"), help="this role's run directory")
+    p.add_argument("--keys", type=Path, help="keys directory (default: [network] keys)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    if name:
+        p.add_argument("--name", required=True, help="this party's name ([parties.NAME])")
+    if data:
+        p.add_argument("--data", type=Path,
+                       help="this role's own CSV (default: RUN_DIR/data/<role>.csv)")
+        p.add_argument("--address", help="the aggregator's address (default: [network] aggregator)")
+    if resume:
+        p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="securevfl",
+        description="Privacy-hardened vertical federated learning (secure sums, CKKS, DP).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a whole federation on this machine (one process per role)")
+    run.add_argument("config", type=Path)
+    run.add_argument("--out", type=Path, required=True, help="run directory")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override a config value, e.g. --set run.aggregation=plain")
+
+    agg = sub.add_parser("aggregator", help="run the aggregator (ZeroMQ hub) on this host")
+    _role_args(agg, data=False, resume=False)
+    agg.add_argument("--bind", help="address to bind (default: [network] bind or aggregator)")
+    _role_args(sub.add_parser("active", help="run the active party (labels) on this host"))
+    _role_args(sub.add_parser("party", help="run one passive party on this host"), name=True)
+
+    keys = sub.add_parser("keys", help="make CURVE and masking key pairs and the allowlist")
+    keys.add_argument("--out", type=Path, required=True)
+    keys.add_argument("--config", type=Path, help="take the role names from this config")
+    keys.add_argument("--roles", help="comma-separated role names (instead of --config)")
+    keys.add_argument("--force", action="store_true", help="replace existing keys")
+
+    split = sub.add_parser("split", help="split the config's table into one CSV per role")
+    split.add_argument("--config", required=True, type=Path)
+    split.add_argument("--out", required=True, type=Path)
+
+    demo = sub.add_parser("demo", help="secure training on the embedded breast-cancer table")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"))
+    demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"securevfl: config error: {exc}", file=sys.stderr)
+        return P.EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("securevfl: interrupted; continue later with --resume", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from securevfl.launcher import launch
+
+        return launch(args.config, out=args.out, resume=args.resume,
+                      overrides=_overrides(args.set), override_args=args.set)
+    if args.command in ("aggregator", "active", "party"):
+        return run_role(args)
+    if args.command == "keys":
+        return _keys(args)
+    if args.command == "split":
+        from securevfl.data.table import split_federation
+
+        cfg = load_config(args.config)
+        for role, path in split_federation(cfg, args.out).items():
+            print(f"{role}: {path}")
+        return P.EXIT_OK
+    if args.command == "demo":
+        from securevfl.demo import run_demo
+
+        return run_demo(out=args.out, aggregation=args.aggregation)
+    raise AssertionError(args.command)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from securevfl.keys import KeyMaterialError, generate_keys
+
+    if args.config is not None:
+        roles = list(load_config(args.config).role_names)
+    elif args.roles:
+        roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    else:
+        raise ConfigError("--config/--roles", "give the config (or the role names) to make keys for")
+    try:
+        public = generate_keys(roles, args.out, overwrite=args.force)
+    except KeyMaterialError as exc:
+        print(f"securevfl: {exc}", file=sys.stderr)
+        return P.EXIT_CONFIG
+    print(f"wrote {public} (give it to every host) and {args.out / 'secret'}/<role>.json "
+          "(give each only to its role's host)")
+    return P.EXIT_OK
+
+
+def run_role(args: argparse.Namespace) -> int:
+    """Run one role in this process; map failures to exit statuses with one clear line."""
+    cfg = load_config(args.config, overrides=_overrides(args.set))
+    role = {"aggregator": "aggregator", "active": cfg.active_name}.get(args.command)
+    if args.command == "party":
+        if args.name not in cfg.party_names:
+            raise ConfigError("--name", f"no passive party {args.name!r} in the config; it has "
+                              f"{list(cfg.party_names)}")
+        role = args.name
+    run_dir = args.out.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger = P.role_logger(role, run_dir)
+    keys_dir = args.keys or cfg.keys_dir
+    try:
+        device = _device(cfg)
+        if args.command == "aggregator":
+            from securevfl.roles.aggregator import run_aggregator
+
+            bind = args.bind or cfg.bind_address or _bind_from(cfg.aggregator_address)
+            return run_aggregator(cfg, keys_dir=keys_dir, bind=bind, logger=logger)
+        data = args.data or (run_dir / "data" / f"{role}.csv")
+        address = args.address or cfg.aggregator_address
+        if args.command == "active":
+            from securevfl.roles.active import run_active
+
+            return run_active(cfg, run_dir=run_dir, keys_dir=keys_dir, data_path=data,
+                              address=address, logger=logger, device=device, resume=args.resume)
+        from securevfl.roles.party import run_party
+
+        return run_party(cfg, name=role, run_dir=run_dir, keys_dir=keys_dir, data_path=data,
+                         address=address, logger=logger, device=device)
+    except P.RunAborted as exc:
+        logger.error("%s", exc)
+        print(f"securevfl {role}: {exc}", file=sys.stderr)
+        return P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
+    except ConfigError:
+        raise
+    except Exception as exc:  # report, with the traceback in the role's log
+        logger.error("failed: %s\n%s", exc, traceback.format_exc())
+        print(f"securevfl {role}: failed: {exc} (details in {run_dir / 'logs' / (role + '.log')})",
+              file=sys.stderr)
+        return _exit_code_for(exc)
+
+
+def _exit_code_for(exc: Exception) -> int:
+    if type(exc).__name__ == "BudgetExceeded":
+        return P.EXIT_BUDGET
+    if type(exc).__name__ in ("KeyMaterialError", "DataError", "CheckpointError"):
+        return P.EXIT_CONFIG
+    return P.EXIT_ERROR
+
+
+def _bind_from(address: str) -> str:
+    """Peers connect to tcp://HOST:PORT; the aggregator binds every interface on that port."""
+    if address.startswith("tcp://") and ":" in address[6:]:
+        port = address.rsplit(":", 1)[1]
+        return f"tcp://*:{port}"
+    return address
+
+
+def _device(cfg: RunConfig) -> Any:
+    import torch
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("[run] device", "cuda was asked for but no GPU is visible; use \"cpu\"")
+    return torch.device(cfg.device)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,573 @@
+"""Federation and run configuration: TOML in, a validated, frozen `RunConfig` out.
+
+Everything a run needs is checked here, before any process starts: a bad value raises
+`ConfigError` naming the key (``[section] key``) and what to do about it; the CLI turns it into
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+AGGREGATIONS = ("plain", "mask", "ckks")
+TASKS = ("binary", "multiclass", "regression")
+TRANSPORTS = ("zmq", "inproc")
+DEVICES = ("cpu", "cuda")
+OPTIMIZERS = ("adam", "sgd")
+ROLE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
+RESERVED_ROLE_NAMES = ("aggregator",)
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; `key` names it (``[section] key``)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PartyConfig:
+    name: str
+    columns: tuple[str, ...]
+    embedding_dp: DPConfig | None = None
+    dp_sgd: DPConfig | None = None
+    max_epsilon: float | None = None
+
+
+@dataclass(frozen=True)
+class DPConfig:
+    """One Gaussian mechanism: either a noise multiplier or a target epsilon (calibrated later)."""
+
+    clip: float
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+
+
+@dataclass(frozen=True)
+class CkksConfig:
+    poly_modulus_degree: int = 8192
+    coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
+    scale_bits: int = 40
+
+
+@dataclass(frozen=True)
+class MissingSpec:
+    kind: str = "none"
+    params: tuple[tuple[str, float], ...] = ()
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    # [run]
+    method: str = "splitnn"
+    aggregation: str = "mask"
+    seed: int = 0
+    device: str = "cpu"
+    min_group: int = 2
+    transport: str = "zmq"
+    # [data]
+    data_path: Path = Path("data.csv")
+    id_column: str = "ID"
+    label: str = "Y"
+    task: str = "binary"
+    test_fraction: float = 0.2
+    standardize: bool = True
+    # [active], [parties.*]
+    active_name: str = "active"
+    active_columns: tuple[str, ...] = ()
+    parties: tuple[PartyConfig, ...] = ()
+    # [train]
+    epochs: int = 10
+    batch_size: int = 256
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    # [model]
+    hidden: tuple[int, ...] = (64,)
+    width: int = 16
+    head_hidden: tuple[int, ...] = ()
+    # [secure]
+    frac_bits: int = 20
+    bound: float = 2.0**20
+    ckks: CkksConfig = field(default_factory=CkksConfig)
+    # [network]
+    aggregator_address: str = "tcp://127.0.0.1:5555"
+    bind_address: str | None = None
+    keys_dir: Path = Path("keys")
+    heartbeat_interval: float = 1.0
+    peer_timeout: float = 10.0
+    round_timeout: float = 120.0
+    startup_timeout: float = 120.0
+    aggregator_in_active: bool = False
+    # [missing]
+    missing_train: MissingSpec = field(default_factory=MissingSpec)
+    missing_test: MissingSpec = field(default_factory=MissingSpec)
+    # [privacy]
+    label_dp: DPConfig | None = None
+    head_dp_sgd: DPConfig | None = None
+    active_max_epsilon: float | None = None
+    delta: float | None = None
+    accountant: str = "rdp"
+    record_received: bool = False
+    # method-specific options ([method] table), kept as plain data for the method to validate
+    method_options: tuple[tuple[str, Any], ...] = ()
+    # where the file was read from (relative paths are resolved against it)
+    source: Path | None = None
+
+    @property
+    def party_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.parties)
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        """Every role that connects to the aggregator: the active party first, then the passives."""
+        return (self.active_name, *self.party_names)
+
+    def party(self, name: str) -> PartyConfig:
+        for p in self.parties:
+            if p.name == name:
+                return p
+        raise KeyError(f"no passive party named {name!r}; the config has {list(self.party_names)}")
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.method_options).get(key, default)
+
+    def with_changes(self, **changes: Any) -> RunConfig:
+        """A copy with some fields replaced (used by tests, sweeps and the launcher)."""
+        return replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and validation
+
+
+def load_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Read and validate a TOML config. Raises `ConfigError` (naming the key) on any problem.
+
+    `overrides` maps dotted keys (``"run.aggregation"``) to values that replace the file's.
+    """
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("config", f"file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML ({exc}); fix the syntax") from None
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        raw.setdefault(section, {})[key] = value
+    return parse_config(raw, source=path)
+
+
+def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunConfig:
+    """Validate a config already parsed into dicts (the TOML structure)."""
+    known_sections = {
+        "run", "data", "active", "parties", "train", "model", "secure", "network",
+        "missing", "privacy", "method",
+    }
+    for section in raw:
+        if section not in known_sections:
+            raise ConfigError(
+                f"[{section}]", f"unknown section; known sections are {sorted(known_sections)}"
+            )
+    base = source.parent if source is not None else Path.cwd()
+    r = _Section(raw, "run", {"method", "aggregation", "seed", "device", "min_group", "transport"})
+    d = _Section(raw, "data", {"path", "id", "label", "task", "test_fraction", "standardize"})
+    a = _Section(raw, "active", {"name", "columns", "dp_sgd", "max_epsilon"})
+    t = _Section(raw, "train", {"epochs", "batch_size", "lr", "optimizer", "weight_decay"})
+    m = _Section(raw, "model", {"hidden", "width", "head_hidden"})
+    s = _Section(raw, "secure", {"frac_bits", "bound", "ckks"})
+    n = _Section(
+        raw,
+        "network",
+        {
+            "aggregator", "bind", "keys", "heartbeat_interval", "peer_timeout", "round_timeout",
+            "startup_timeout", "aggregator_in_active",
+        },
+    )
+    mi = _Section(raw, "missing", {"train", "test"})
+    p = _Section(
+        raw, "privacy", {"label_dp", "delta", "accountant", "record_received", "max_epsilon"}
+    )
+
+    from securevfl.methods import method_names  # the registry (lazy: methods import torch)
+
+    method = r.choice("method", "splitnn", method_names())
+    aggregation = r.choice("aggregation", "mask", AGGREGATIONS)
+    cfg = RunConfig(
+        method=method,
+        aggregation=aggregation,
+        seed=r.integer("seed", 0, minimum=0),
+        device=r.choice("device", "cpu", DEVICES),
+        min_group=r.integer("min_group", 2, minimum=1),
+        transport=r.choice("transport", "zmq", TRANSPORTS),
+        data_path=_resolve(base, d.string("path", None, required=True)),
+        id_column=d.string("id", "ID"),
+        label=d.string("label", "Y"),
+        task=d.choice("task", "binary", TASKS),
+        test_fraction=d.number("test_fraction", 0.2, minimum=0.0, maximum=0.9),
+        standardize=d.boolean("standardize", True),
+        active_name=_role_name(a.string("name", "active"), "[active] name"),
+        active_columns=a.string_list("columns", []),
+        parties=_parties(raw.get("parties")),
+        epochs=t.integer("epochs", 10, minimum=1),
+        batch_size=t.integer("batch_size", 256, minimum=1),
+        lr=t.number("lr", 1e-3, minimum=0.0, exclusive_minimum=True),
+        optimizer=t.choice("optimizer", "adam", OPTIMIZERS),
+        weight_decay=t.number("weight_decay", 0.0, minimum=0.0),
+        hidden=tuple(m.int_list("hidden", [64], minimum=1)),
+        width=m.integer("width", 16, minimum=1),
+        head_hidden=tuple(m.int_list("head_hidden", [], minimum=1)),
+        frac_bits=s.integer("frac_bits", 20, minimum=1, maximum=52),
+        bound=s.number("bound", 2.0**20, minimum=0.0, exclusive_minimum=True),
+        ckks=_ckks(s.table("ckks", {})),
+        aggregator_address=n.string("aggregator", "tcp://127.0.0.1:5555"),
+        bind_address=n.string("bind", None),
+        keys_dir=_resolve(base, n.string("keys", "keys")),
+        heartbeat_interval=n.number("heartbeat_interval", 1.0, minimum=0.01),
+        peer_timeout=n.number("peer_timeout", 10.0, minimum=0.1),
+        round_timeout=n.number("round_timeout", 120.0, minimum=0.1),
+        startup_timeout=n.number("startup_timeout", 120.0, minimum=0.1),
+        aggregator_in_active=n.boolean("aggregator_in_active", False),
+        missing_train=_missing(mi.raw("train"), "[missing] train"),
+        missing_test=_missing(mi.raw("test"), "[missing] test"),
+        label_dp=_dp(p.raw("label_dp"), "[privacy] label_dp"),
+        head_dp_sgd=_dp(a.raw("dp_sgd"), "[active] dp_sgd"),
+        active_max_epsilon=_positive_or_none(a.raw("max_epsilon"), "[active] max_epsilon"),
+        delta=_delta(p.raw("delta")),
+        accountant=p.choice("accountant", "rdp", ("rdp", "prv")),
+        record_received=p.boolean("record_received", False),
+        method_options=tuple(sorted(dict(raw.get("method", {})).items())),
+        source=source,
+    )
+    if p.raw("max_epsilon") is not None:
+        raise ConfigError(
+            "[privacy] max_epsilon",
+            "budgets are per role: set max_epsilon in [active] or in [parties.NAME]",
+        )
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; raises `ConfigError`. Also run on configs built in code."""
+    if not cfg.parties:
+        raise ConfigError("[parties]", "at least one passive party ([parties.NAME]) is required")
+    names = [cfg.active_name, *cfg.party_names]
+    if len(set(names)) != len(names):
+        raise ConfigError("[parties]", f"role names must be unique, got {names}")
+    owners: dict[str, str] = {}
+    for owner, cols in [(cfg.active_name, cfg.active_columns)] + [
+        (p.name, p.columns) for p in cfg.parties
+    ]:
+        for col in cols:
+            if col in owners:
+                raise ConfigError(
+                    f"[parties.{owner}] columns",
+                    f"column {col!r} is already held by {owners[col]!r}; "
+                    "each column belongs to exactly one role",
+                )
+            if col in (cfg.id_column, cfg.label):
+                raise ConfigError(
+                    f"[parties.{owner}] columns",
+                    f"{col!r} is the id or label column and cannot be a feature",
+                )
+            owners[col] = owner
+    for party in cfg.parties:
+        if not party.columns:
+            raise ConfigError(f"[parties.{party.name}] columns", "a passive party needs columns")
+    secure = cfg.aggregation != "plain"
+    if secure and len(cfg.parties) < cfg.min_group:
+        raise ConfigError(
+            "[run] min_group",
+            f"a secure sum needs at least {cfg.min_group} passive contributors but the config "
+            f"has {len(cfg.parties)} passive part{'y' if len(cfg.parties) == 1 else 'ies'}; "
+            "add parties, or set min_group = 1 to accept unprotected sums explicitly",
+        )
+    if cfg.aggregation == "ckks" and cfg.aggregator_in_active:
+        raise ConfigError(
+            "[network] aggregator_in_active",
+            "ckks needs the aggregator in a separate process from the active party: the "
+            "aggregator sees every individual ciphertext and the active party holds the secret "
+            "key, so together they could decrypt each party's contribution",
+        )
+    if cfg.transport == "inproc" and cfg.aggregation == "ckks":
+        raise ConfigError(
+            "[run] transport",
+            "inproc runs every role in one process, which would put the CKKS secret key next to "
+            "every ciphertext; use transport = \"zmq\" with ckks",
+        )
+    encoded_bits = math.log2(cfg.bound) + cfg.frac_bits
+    if encoded_bits > 58:
+        raise ConfigError(
+            "[secure] bound",
+            f"bound 2^{math.log2(cfg.bound):.1f} with frac_bits {cfg.frac_bits} needs "
+            f"{encoded_bits:.0f} bits, leaving too little headroom in the 64-bit ring for sums; "
+            "lower bound or frac_bits so that log2(bound) + frac_bits <= 58",
+        )
+    from securevfl.methods import method_spec
+
+    method_spec(cfg.method).validate_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+class _Section:
+    def __init__(self, raw: Mapping[str, Any], name: str, known: set[str]) -> None:
+        value = raw.get(name, {})
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"[{name}]", f"must be a table, got {type(value).__name__}")
+        for key in value:
+            if key not in known:
+                raise ConfigError(
+                    f"[{name}] {key}", f"unknown key; known keys are {sorted(known)}"
+                )
+        self.name = name
+        self.values = value
+
+    def key(self, k: str) -> str:
+        return f"[{self.name}] {k}"
+
+    def raw(self, k: str) -> Any:
+        return self.values.get(k)
+
+    def string(self, k: str, default: str | None, *, required: bool = False) -> Any:
+        v = self.values.get(k, default)
+        if v is None:
+            if required:
+                raise ConfigError(self.key(k), "is required")
+            return None
+        if not isinstance(v, str) or not v:
+            raise ConfigError(self.key(k), f"must be a non-empty string, got {v!r}")
+        return v
+
+    def choice(self, k: str, default: str, options: tuple[str, ...] | list[str]) -> str:
+        v = self.values.get(k, default)
+        if v not in options:
+            raise ConfigError(
+                self.key(k), f"unknown value {v!r}; choose one of {', '.join(options)}"
+            )
+        return v
+
+    def boolean(self, k: str, default: bool) -> bool:
+        v = self.values.get(k, default)
+        if not isinstance(v, bool):
+            raise ConfigError(self.key(k), f"must be true or false, got {v!r}")
+        return v
+
+    def integer(
+        self, k: str, default: int, *, minimum: int | None = None, maximum: int | None = None
+    ) -> int:
+        v = self.values.get(k, default)
+        return _integer(v, self.key(k), minimum=minimum, maximum=maximum)
+
+    def number(
+        self,
+        k: str,
+        default: float,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+        exclusive_minimum: bool = False,
+    ) -> float:
+        v = self.values.get(k, default)
+        return _number(
+            v, self.key(k), minimum=minimum, maximum=maximum, exclusive_minimum=exclusive_minimum
+        )
+
+    def string_list(self, k: str, default: list[str]) -> tuple[str, ...]:
+        v = self.values.get(k, default)
+        return _string_list(v, self.key(k))
+
+    def int_list(self, k: str, default: list[int], *, minimum: int) -> list[int]:
+        v = self.values.get(k, default)
+        if not isinstance(v, list):
+            raise ConfigError(self.key(k), f"must be a list of integers, got {v!r}")
+        return [_integer(x, self.key(k), minimum=minimum) for x in v]
+
+    def table(self, k: str, default: dict) -> dict:
+        v = self.values.get(k, default)
+        if not isinstance(v, Mapping):
+            raise ConfigError(self.key(k), f"must be a table, got {v!r}")
+        return dict(v)
+
+
+def _integer(v: Any, key: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(key, f"must be an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ConfigError(key, f"must be <= {maximum}, got {v}")
+    return v
+
+
+def _number(
+    v: Any,
+    key: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ConfigError(key, f"must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ConfigError(key, f"must be finite, got {v}")
+    if minimum is not None and (v <= minimum if exclusive_minimum else v < minimum):
+        raise ConfigError(key, f"must be {'>' if exclusive_minimum else '>='} {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ConfigError(key, f"must be <= {maximum}, got {v}")
+    return v
+
+
+def _string_list(v: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ConfigError(key, f"must be a list of column names (strings), got {v!r}")
+    if len(set(v)) != len(v):
+        raise ConfigError(key, f"lists a column twice: {v!r}")
+    return tuple(v)
+
+
+def _role_name(name: str, key: str) -> str:
+    if not set(name) <= ROLE_NAME_CHARS or len(name) > 64:
+        raise ConfigError(
+            key,
+            f"role name {name!r} may use only lower-case letters, digits, '_' and '-' "
+            "(at most 64 characters)",
+        )
+    if name in RESERVED_ROLE_NAMES:
+        raise ConfigError(key, f"{name!r} is reserved for the aggregator; pick another name")
+    return name
+
+
+def _parties(raw: Any) -> tuple[PartyConfig, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise ConfigError("[parties]", "must be a table of [parties.NAME] tables")
+    out = []
+    for name, table in raw.items():
+        key = f"[parties.{name}]"
+        _role_name(name, key)
+        if not isinstance(table, Mapping):
+            raise ConfigError(key, "must be a table with a `columns` list")
+        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon"}
+        for k in table:
+            if k not in known:
+                raise ConfigError(f"{key} {k}", f"unknown key; known keys are {sorted(known)}")
+        if "columns" not in table:
+            raise ConfigError(f"{key} columns", "is required")
+        out.append(
+            PartyConfig(
+                name=name,
+                columns=_string_list(table["columns"], f"{key} columns"),
+                embedding_dp=_dp(table.get("embedding_dp"), f"{key} embedding_dp"),
+                dp_sgd=_dp(table.get("dp_sgd"), f"{key} dp_sgd"),
+                max_epsilon=_positive_or_none(table.get("max_epsilon"), f"{key} max_epsilon"),
+            )
+        )
+    return tuple(out)
+
+
+def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
+    known = {"poly_modulus_degree", "coeff_mod_bit_sizes", "scale_bits"}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"[secure] ckks.{k}", f"unknown key; known keys are {sorted(known)}")
+    default = CkksConfig()
+    degree = _integer(
+        raw.get("poly_modulus_degree", default.poly_modulus_degree),
+        "[secure] ckks.poly_modulus_degree",
+        minimum=1024,
+    )
+    bits = raw.get("coeff_mod_bit_sizes", list(default.coeff_mod_bit_sizes))
+    if not isinstance(bits, list) or not bits:
+        raise ConfigError("[secure] ckks.coeff_mod_bit_sizes", f"must be a list, got {bits!r}")
+    bits_t = tuple(_integer(b, "[secure] ckks.coeff_mod_bit_sizes", minimum=17) for b in bits)
+    scale = _integer(
+        raw.get("scale_bits", default.scale_bits), "[secure] ckks.scale_bits", minimum=10
+    )
+    return CkksConfig(poly_modulus_degree=degree, coeff_mod_bit_sizes=bits_t, scale_bits=scale)
+
+
+_MISSING_KINDS: dict[str, set[str]] = {"none": set(), "mcar": {"p"}, "beta": {"a", "b"}}
+
+
+def register_missing_kind(kind: str, params: set[str]) -> None:
+    """Let a missingness generator declare its parameters to config validation."""
+    _MISSING_KINDS[kind] = set(params)
+
+
+def _missing(raw: Any, key: str) -> MissingSpec:
+    if raw is None:
+        return MissingSpec()
+    if not isinstance(raw, Mapping) or "kind" not in raw:
+        raise ConfigError(key, f'must be a table like {{ kind = "mcar", p = 0.5 }}, got {raw!r}')
+    kind = raw["kind"]
+    if kind not in _MISSING_KINDS:
+        raise ConfigError(key, f"unknown kind {kind!r}; choose one of {sorted(_MISSING_KINDS)}")
+    params = {k: v for k, v in raw.items() if k != "kind"}
+    expected = _MISSING_KINDS[kind]
+    if set(params) != expected:
+        raise ConfigError(key, f"kind {kind!r} takes exactly {sorted(expected)}, got {sorted(params)}")
+    values = {k: _number(v, f"{key}.{k}", minimum=0.0) for k, v in params.items()}
+    if kind == "mcar" and not values["p"] < 1.0:
+        raise ConfigError(f"{key}.p", "must be < 1 (p = 1 would leave no data)")
+    return MissingSpec(kind=kind, params=tuple(sorted(values.items())))
+
+
+def _dp(raw: Any, key: str) -> DPConfig | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(key, f"must be a table like {{ noise_multiplier = 1.0, clip = 1.0 }}, got {raw!r}")
+    known = {"noise_multiplier", "clip", "target_epsilon"}
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"{key}.{k}", f"unknown key; known keys are {sorted(known)}")
+    if "clip" not in raw:
+        raise ConfigError(f"{key}.clip", "is required (the L2 clipping norm C)")
+    clip = _number(raw["clip"], f"{key}.clip", minimum=0.0, exclusive_minimum=True)
+    sigma = raw.get("noise_multiplier")
+    target = raw.get("target_epsilon")
+    if (sigma is None) == (target is None):
+        raise ConfigError(key, "give exactly one of noise_multiplier and target_epsilon")
+    if sigma is not None:
+        sigma = _number(sigma, f"{key}.noise_multiplier", minimum=0.0, exclusive_minimum=True)
+    if target is not None:
+        target = _number(target, f"{key}.target_epsilon", minimum=0.0, exclusive_minimum=True)
+    return DPConfig(clip=clip, noise_multiplier=sigma, target_epsilon=target)
+
+
+def _positive_or_none(raw: Any, key: str) -> float | None:
+    if raw is None:
+        return None
+    return _number(raw, key, minimum=0.0, exclusive_minimum=True)
+
+
+def _delta(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    v = _number(raw, "[privacy] delta", minimum=0.0, exclusive_minimum=True)
+    if v >= 1:
+        raise ConfigError("[privacy] delta", f"must be < 1, got {v}")
+    return v
+
+
+def _resolve(base: Path, value: str | None) -> Path:
+    p = Path(value) if value is not None else Path()
+    return p if p.is_absolute() else (base / p).resolve()

@@ -1,0 +1,216 @@
+"""Tables keyed by sample id, and the per-party split a real federation starts from.
+
+Each role reads only its own file: `split_federation` writes one CSV per role (the id column plus
+that role's columns; the active party's also carries the label) so that the launcher can hand each
+process nothing but its own data.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from securevfl.config import ConfigError, RunConfig
+
+
+class DataError(ValueError):
+    """The data do not match the config (missing column, bad id, non-numeric value)."""
+
+
+@dataclass
+class PartyTable:
+    """One role's feature block: rows keyed by integer sample id. NaN marks an empty cell."""
+
+    ids: np.ndarray  # int64, sorted, unique
+    columns: tuple[str, ...]
+    values: np.ndarray  # float64 [n_rows, n_columns]
+
+    def __post_init__(self) -> None:
+        order = np.argsort(self.ids, kind="stable")
+        self.ids = np.asarray(self.ids, dtype=np.int64)[order]
+        self.values = np.asarray(self.values, dtype=np.float64)[order]
+        if len(np.unique(self.ids)) != len(self.ids):
+            dup = self.ids[1:][self.ids[1:] == self.ids[:-1]][:5]
+            raise DataError(f"sample ids must be unique; repeated ids: {dup.tolist()}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """Row positions of `ids`; raises DataError naming ids this table does not hold."""
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = np.searchsorted(self.ids, ids)
+        pos = np.minimum(pos, max(len(self.ids) - 1, 0))
+        ok = (len(self.ids) > 0) & (self.ids[pos] == ids)
+        if not np.all(ok):
+            missing = ids[~ok][:5].tolist()
+            raise DataError(f"{int((~ok).sum())} requested sample ids are not in this table, e.g. {missing}")
+        return pos
+
+    def has(self, ids: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of `ids` this table holds."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if len(self.ids) == 0:
+            return np.zeros(len(ids), dtype=bool)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return self.ids[pos] == ids
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        return self.values[self.positions(ids)]
+
+
+@dataclass
+class ActiveTable(PartyTable):
+    """The active party's table: its own columns (possibly none) and the labels."""
+
+    labels: np.ndarray | None = None  # float64 [n_rows]
+
+    def __post_init__(self) -> None:
+        order = np.argsort(self.ids, kind="stable")
+        labels = np.asarray(self.labels, dtype=np.float64)
+        self.labels = labels[order]
+        super().__post_init__()
+
+    def label_rows(self, ids: np.ndarray) -> np.ndarray:
+        return self.labels[self.positions(ids)]
+
+
+def read_csv_columns(path: Path, *, id_column: str, columns: Sequence[str], label: str | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Read the id column, `columns` (float, empty cell -> NaN) and optionally the label.
+
+    Raises DataError naming the file and the first bad column or value."""
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; check [data] path")
+    with path.open(newline="") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise DataError(f"{path} is empty") from None
+        index = {name: i for i, name in enumerate(header)}
+        wanted = [id_column, *columns] + ([label] if label is not None else [])
+        for name in wanted:
+            if name not in index:
+                raise DataError(f"{path} has no column {name!r}; its columns are {header[:30]}")
+        cols = [index[c] for c in columns]
+        ids: list[int] = []
+        values: list[list[float]] = []
+        labels: list[float] = []
+        for line_no, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            try:
+                ids.append(int(row[index[id_column]]))
+            except ValueError:
+                raise DataError(
+                    f"{path}:{line_no}: id {row[index[id_column]]!r} in column {id_column!r} "
+                    "is not an integer (sample ids must be integers)"
+                ) from None
+            values.append([_cell(row[c], path, line_no, header[c]) for c in cols])
+            if label is not None:
+                y = _cell(row[index[label]], path, line_no, label)
+                if math.isnan(y):
+                    raise DataError(f"{path}:{line_no}: the label {label!r} is empty")
+                labels.append(y)
+    vals = np.asarray(values, dtype=np.float64).reshape(len(ids), len(columns))
+    return (
+        np.asarray(ids, dtype=np.int64),
+        vals,
+        np.asarray(labels, dtype=np.float64) if label is not None else None,
+    )
+
+
+def _cell(text: str, path: Path, line_no: int, column: str) -> float:
+    text = text.strip()
+    if text == "" or text.lower() in ("na", "nan"):
+        return math.nan
+    try:
+        return float(text)
+    except ValueError:
+        raise DataError(
+            f"{path}:{line_no}: value {text!r} in column {column!r} is not a number"
+        ) from None
+
+
+def write_csv(path: Path, *, id_column: str, ids: np.ndarray, columns: Sequence[str],
+              values: np.ndarray, label: str | None = None, labels: np.ndarray | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow([id_column, *columns] + ([label] if label else []))
+        for i, row_id in enumerate(ids):
+            cells = ["" if math.isnan(v) else repr(float(v)) for v in values[i]]
+            if label:
+                cells.append(repr(float(labels[i])))
+            w.writerow([int(row_id), *cells])
+
+
+def role_data_path(run_dir: Path, role: str) -> Path:
+    return run_dir / "data" / f"{role}.csv"
+
+
+def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
+    """Split the config's table into one CSV per role inside `run_dir/data/`.
+
+    Returns role name -> file. Raises ConfigError naming a missing column."""
+    try:
+        ids, values, labels = read_csv_columns(
+            cfg.data_path,
+            id_column=cfg.id_column,
+            columns=[*cfg.active_columns, *(c for p in cfg.parties for c in p.columns)],
+            label=cfg.label,
+        )
+    except DataError as exc:
+        raise ConfigError("[data] path", str(exc)) from None
+    out: dict[str, Path] = {}
+    offset = 0
+    blocks = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
+    for role, cols in blocks:
+        block = values[:, offset : offset + len(cols)]
+        offset += len(cols)
+        path = role_data_path(run_dir, role)
+        is_active = role == cfg.active_name
+        write_csv(
+            path, id_column=cfg.id_column, ids=ids, columns=cols, values=block,
+            label=cfg.label if is_active else None, labels=labels if is_active else None,
+        )
+        out[role] = path
+    return out
+
+
+def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
+    cols = cfg.party(role).columns
+    ids, values, _ = read_csv_columns(path, id_column=cfg.id_column, columns=cols)
+    return PartyTable(ids=ids, columns=cols, values=values)
+
+
+def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:
+    ids, values, labels = read_csv_columns(
+        path, id_column=cfg.id_column, columns=cfg.active_columns, label=cfg.label
+    )
+    return ActiveTable(ids=ids, columns=cfg.active_columns, values=values, labels=labels)
+
+
+def train_test_split(ids: np.ndarray, *, test_fraction: float, seed: int,
+                     labels: np.ndarray | None = None, stratify: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic split of sample ids (stratified by label for classification)."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    ids = np.asarray(ids, dtype=np.int64)
+    if test_fraction <= 0:
+        return np.sort(ids), np.empty(0, dtype=np.int64)
+    test_mask = np.zeros(len(ids), dtype=bool)
+    groups = [np.arange(len(ids))] if not stratify or labels is None else [
+        np.flatnonzero(labels == c) for c in np.unique(labels)
+    ]
+    for g in groups:
+        perm = rng.permutation(g)
+        n_test = int(round(test_fraction * len(g)))
+        test_mask[perm[:n_test]] = True
+    return np.sort(ids[~test_mask]), np.sort(ids[test_mask])

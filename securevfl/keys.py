@@ -1,0 +1,118 @@
+"""Federation key material: one CurveZMQ key pair (transport) and one X25519 key pair (masking)
+per role, and the public file every role pins.
+
+Layout of a keys directory::
+
+    public.json            every role's public keys (give it to every host)
+    secret/<role>.json     one role's secret keys (give it only to that role's host; mode 0600)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from crypto import MaskingKeyPair
+from transport import CurveKeyPair
+
+FORMAT = "securevfl-keys/1"
+AGGREGATOR = "aggregator"
+
+
+class KeyMaterialError(ValueError):
+    """Key material is missing or inconsistent; the message says which file and how to fix it."""
+
+
+@dataclass(frozen=True)
+class RoleSecrets:
+    name: str
+    curve: CurveKeyPair
+    mask: MaskingKeyPair
+
+
+@dataclass(frozen=True)
+class FederationPublicKeys:
+    curve: dict[str, bytes]  # role -> z85 CURVE public key
+    mask: dict[str, bytes]  # role -> raw X25519 public key
+
+    def curve_public(self, role: str) -> bytes:
+        try:
+            return self.curve[role]
+        except KeyError:
+            raise KeyMaterialError(
+                f"public.json has no CURVE key for role {role!r}; regenerate keys with "
+                "`securevfl keys --config CONFIG --out DIR` so every role in the config has one"
+            ) from None
+
+
+def generate_keys(roles: Sequence[str], out: Path, *, overwrite: bool = False) -> Path:
+    """Create key pairs for the aggregator and every role in `roles`; returns public.json's path."""
+    out = Path(out)
+    public_path = out / "public.json"
+    if public_path.exists() and not overwrite:
+        raise KeyMaterialError(f"{public_path} exists; pass --force to replace the federation's keys")
+    (out / "secret").mkdir(parents=True, exist_ok=True)
+    os.chmod(out / "secret", 0o700)
+    public: dict[str, dict[str, str]] = {}
+    for role in [AGGREGATOR, *roles]:
+        curve = CurveKeyPair.generate()
+        mask = MaskingKeyPair.generate()
+        secret_path = out / "secret" / f"{role}.json"
+        fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"format": FORMAT, "role": role, "curve": curve.to_json(),
+                       "mask": mask.to_json()}, fh, indent=2)
+        public[role] = {"curve": curve.public.decode("ascii"), "mask": mask.public.hex()}
+    public_path.write_text(json.dumps({"format": FORMAT, "roles": public}, indent=2) + "\n")
+    return public_path
+
+
+def load_public(keys_dir: Path) -> FederationPublicKeys:
+    path = Path(keys_dir) / "public.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KeyMaterialError(
+            f"{path} does not exist; create the federation's keys with "
+            "`securevfl keys --config CONFIG --out DIR` and set [network] keys = \"DIR\""
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise KeyMaterialError(f"{path} is not valid JSON ({exc})") from None
+    if data.get("format") != FORMAT:
+        raise KeyMaterialError(f"{path}: unknown format {data.get('format')!r}, expected {FORMAT!r}")
+    curve, mask = {}, {}
+    for role, entry in data["roles"].items():
+        curve[role] = entry["curve"].encode("ascii")
+        mask[role] = bytes.fromhex(entry["mask"])
+    return FederationPublicKeys(curve=curve, mask=mask)
+
+
+def load_secrets(keys_dir: Path, role: str) -> RoleSecrets:
+    path = Path(keys_dir) / "secret" / f"{role}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KeyMaterialError(
+            f"no secret keys for role {role!r} at {path}; copy that role's secret file from "
+            "where `securevfl keys` wrote it"
+        ) from None
+    if data.get("role") != role:
+        raise KeyMaterialError(f"{path} holds keys of role {data.get('role')!r}, not {role!r}")
+    return RoleSecrets(
+        name=role,
+        curve=CurveKeyPair.from_json(data["curve"]),
+        mask=MaskingKeyPair.from_json(data["mask"]),
+    )
+
+
+def check_roles(public: FederationPublicKeys, roles: Sequence[str], keys_dir: Path) -> None:
+    """Every role of the config must have pinned keys."""
+    missing = [r for r in [AGGREGATOR, *roles] if r not in public.curve or r not in public.mask]
+    if missing:
+        raise KeyMaterialError(
+            f"{Path(keys_dir) / 'public.json'} has no keys for {missing}; regenerate with "
+            "`securevfl keys --config CONFIG --out DIR --force`"
+        )

@@ -1,0 +1,151 @@
+"""`securevfl run`: a whole federation on this machine, one OS process per role, over loopback
+ZeroMQ with CURVE. The table is split into one file per role first; each process reads only its
+own file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from securevfl.config import ConfigError, RunConfig, load_config
+from securevfl.data.table import role_data_path, split_federation
+from securevfl.keys import generate_keys
+from securevfl.roles import protocol as P
+from securevfl.roles.checkpoint import epochs
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RoleProcess:
+    role: str
+    popen: subprocess.Popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def prepare_run_dir(cfg: RunConfig, config_path: Path, out: Path, *, resume: bool) -> Path:
+    """Split the data and make keys (or check what a resumed run needs). Returns the keys dir."""
+    out.mkdir(parents=True, exist_ok=True)
+    keys = out / "keys"
+    if resume:
+        missing = [r for r in cfg.role_names if not role_data_path(out, r).exists()]
+        if missing or not (keys / "public.json").exists():
+            raise ConfigError(
+                "--resume", f"{out} holds no run to resume (no data files for {missing} or no "
+                "keys); start it without --resume first"
+            )
+        return keys
+    if any(epochs(out, r) for r in cfg.role_names) or (out / "metrics.json").exists():
+        raise ConfigError(
+            "--out", f"{out} already holds a run; continue it with --resume, or choose another "
+            "--out directory"
+        )
+    split_federation(cfg, out)
+    shutil.copyfile(config_path, out / "config.toml")
+    generate_keys(cfg.role_names, keys, overwrite=True)
+    return keys
+
+
+def role_commands(config_path: Path, cfg: RunConfig, *, out: Path, keys: Path, address: str,
+                  resume: bool, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
+    base = [sys.executable, "-m", "securevfl"]
+    common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
+    for o in overrides:
+        common += ["--set", o]
+    extra = ["--resume"] if resume else []
+    cmds = {"aggregator": [*base, "aggregator", *common, "--bind", address]}
+    cmds[cfg.active_name] = [*base, "active", *common, "--address", address,
+                             "--data", str(role_data_path(out, cfg.active_name)), *extra]
+    for p in cfg.party_names:
+        cmds[p] = [*base, "party", *common, "--name", p, "--address", address,
+                   "--data", str(role_data_path(out, p)), *extra]
+    return cmds
+
+
+def launch(config_path: Path, *, out: Path, resume: bool = False,
+           overrides: Mapping[str, Any] | None = None, override_args: Sequence[str] = (),
+           stdout: IO[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Run the federation; returns the exit status (0 ok, 2 config, 3 budget, 4 lost peer)."""
+    cfg = load_config(config_path, overrides=overrides)
+    if cfg.transport == "inproc":
+        from securevfl.inproc import run_inproc
+
+        return run_inproc(cfg, out=out, resume=resume, config_path=config_path)
+    out = Path(out).resolve()
+    keys = prepare_run_dir(cfg, Path(config_path), out, resume=resume)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cmds = role_commands(Path(config_path).resolve(), cfg, out=out, keys=keys, address=address,
+                         resume=resume, overrides=override_args)
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share the cores
+    procs: list[RoleProcess] = []
+    for role, cmd in cmds.items():
+        is_active = role == cfg.active_name
+        procs.append(RoleProcess(role, subprocess.Popen(
+            cmd, env=child_env, stdout=(stdout or sys.stdout) if is_active else subprocess.DEVNULL,
+        )))
+        if role == "aggregator":
+            time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
+    (out / "pids.json").write_text(
+        "{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n"
+    )
+    return supervise(procs, grace=cfg.peer_timeout + 10.0, active=cfg.active_name)
+
+
+def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str) -> int:
+    """Wait for every role. Once one fails, the others get `grace` seconds to stop on their own
+    (they learn of the failure through the aggregator) before they are terminated."""
+    failed_at: float | None = None
+    try:
+        while True:
+            codes = {p.role: p.popen.poll() for p in procs}
+            if all(c is not None for c in codes.values()):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes.values()):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                for p in procs:
+                    if p.popen.poll() is None:
+                        print(f"securevfl: {p.role} did not stop within {grace:.0f} s of the "
+                              "failure; terminating it", file=sys.stderr)
+                        p.popen.terminate()
+                for p in procs:
+                    try:
+                        p.popen.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        p.popen.kill()
+                        p.popen.wait()
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGINT)
+        for p in procs:
+            p.popen.wait()
+        raise
+    codes = {p.role: p.popen.returncode for p in procs}
+    if all(c == 0 for c in codes.values()):
+        return P.EXIT_OK
+    failed = {r: c for r, c in codes.items() if c != 0}
+    print(f"securevfl: run failed; exit statuses {failed}", file=sys.stderr)
+    for code in (P.EXIT_CONFIG, P.EXIT_BUDGET, P.EXIT_PEER_LOST):
+        if code in failed.values():
+            return code
+    return codes.get(active) or P.EXIT_ERROR

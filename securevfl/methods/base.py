@@ -1,0 +1,194 @@
+"""The method interface: what every VFL method provides, and the registry that finds it.
+
+A method is two stages that never share memory:
+
+* `PartyMethod` runs inside a passive party's process and sees only that party's table. It answers
+  operations (``op``) the active party asks for, on the rows the active party names, and returns
+  named tensors; the role wraps each tensor that feeds a secure sum before it leaves the process.
+* `ActiveMethod` runs inside the active party's process (labels, optionally its own columns) and
+  drives training through an `ActiveContext`, whose `call` returns *decoded secure sums* only.
+
+Methods never know which secure-sum backend (plain, mask, ckks) or transport carries them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from securevfl.config import RunConfig
+    from securevfl.data.table import ActiveTable, PartyTable
+
+
+@dataclass(frozen=True)
+class SumSpec:
+    """One secure sum the active party asks for: every member of `group` contributes its tensor
+    named `tensor`; the active party receives the sum under the name `key`."""
+
+    key: str
+    tensor: str
+    group: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group", tuple(sorted(self.group)))
+        if len(set(self.group)) != len(self.group):
+            raise ValueError(f"sum {self.key!r} lists a contributor twice: {self.group}")
+
+
+class ActiveContext(Protocol):
+    """What an `ActiveMethod` may do: ask parties for operations and secure sums, release
+    gradients (through label DP when configured) and mark epochs (checkpoints)."""
+
+    config: RunConfig
+    start_epoch: int
+
+    @property
+    def parties(self) -> tuple[str, ...]:
+        """Passive parties still in the federation."""
+        ...
+
+    def call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run `op` at parties `to` (default: every party in a sum's group, else all) on rows
+        `ids`; return the decoded sum of each `SumSpec`, keyed by `SumSpec.key`."""
+        ...
+
+    def release_gradients(
+        self, grads: Mapping[str, np.ndarray], *, epoch: int
+    ) -> dict[str, np.ndarray]:
+        """Apply label DP (if configured) to gradients about to leave the active party, and
+        record the release in the ledger. Every gradient sent to a party must pass through here."""
+        ...
+
+    def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
+        """Commit an epoch: every role writes its checkpoint; progress is reported."""
+        ...
+
+    def log(self, message: str) -> None: ...
+
+
+class PartyMethod(ABC):
+    """Passive-party stage of a method. Sees only its own table."""
+
+    def __init__(
+        self, *, name: str, table: PartyTable, config: RunConfig, device: torch.device
+    ) -> None:
+        self.name = name
+        self.table = table
+        self.config = config
+        self.device = device
+
+    def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        """Prepare for training (the active party sends e.g. the training row ids)."""
+
+    @abstractmethod
+    def handle(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any],
+        inputs: Mapping[str, np.ndarray],
+    ) -> dict[str, np.ndarray]:
+        """Run `op` on rows `ids`; return named tensors (contributions to secure sums).
+
+        Raises `UnknownOperation` for an op this method does not implement."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        del state
+
+
+class ActiveMethod(ABC):
+    """Active-party stage of a method: holds the labels and drives training."""
+
+    def __init__(self, *, table: ActiveTable, config: RunConfig, device: torch.device) -> None:
+        self.table = table
+        self.config = config
+        self.device = device
+
+    @abstractmethod
+    def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
+        """Train from epoch `ctx.start_epoch` to the configured number of epochs."""
+
+    @abstractmethod
+    def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
+        """Metrics on rows `ids` (held out), computed through secure sums."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        del state
+
+    def summary(self) -> dict[str, Any]:
+        """Extra entries for metrics.json (e.g. coefficients of a statistical method)."""
+        return {}
+
+
+class UnknownOperation(ValueError):
+    def __init__(self, method: str, op: str) -> None:
+        super().__init__(f"method {method!r} has no party operation {op!r}")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its two stages and what it supports."""
+
+    name: str
+    active: type[ActiveMethod]
+    party: type[PartyMethod]
+    tasks: tuple[str, ...] = ("binary", "multiclass", "regression")
+    runs_on_sums: bool = True
+    description: str = ""
+    extra_checks: tuple[Any, ...] = field(default=())
+
+    def validate_config(self, cfg: RunConfig) -> None:
+        from securevfl.config import ConfigError
+
+        if cfg.task not in self.tasks:
+            raise ConfigError(
+                "[data] task",
+                f"method {self.name!r} supports tasks {', '.join(self.tasks)}, not {cfg.task!r}",
+            )
+        if not self.runs_on_sums and cfg.aggregation != "plain":
+            raise ConfigError(
+                "[run] aggregation",
+                f"method {self.name!r} cannot run on sums, so {cfg.aggregation!r} cannot protect "
+                "it; use aggregation = \"plain\" (see the README's threat model)",
+            )
+        for check in self.extra_checks:
+            check(cfg)
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"method {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def registry() -> Mapping[str, MethodSpec]:
+    return _REGISTRY
+
+

@@ -1,0 +1,114 @@
+"""Neural building blocks shared by the neural methods: MLPs, standardisation, losses, seeding."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from securevfl.config import RunConfig
+
+
+def derived_seed(seed: int, *names: str | int) -> int:
+    """A 63-bit seed derived from the run seed and names (so every role seeds independently
+    but reproducibly)."""
+    h = hashlib.sha256(repr((seed, *names)).encode()).digest()
+    return int.from_bytes(h[:8], "little") & (2**63 - 1)
+
+
+def torch_generator(seed: int, *names: str | int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(derived_seed(seed, *names))
+    return g
+
+
+def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, seed: int) -> nn.Sequential:
+    """Linear-ReLU stack with a linear output, initialised from `seed` only."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        layers: list[nn.Module] = []
+        prev = in_dim
+        for h in hidden:
+            layers += [nn.Linear(prev, h), nn.ReLU()]
+            prev = h
+        layers.append(nn.Linear(prev, out_dim))
+        return nn.Sequential(*layers)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+
+
+class Standardizer:
+    """Per-column z-scores fitted on training rows; empty cells (NaN) become 0 after scaling."""
+
+    def __init__(self) -> None:
+        self.mean: np.ndarray | None = None
+        self.std: np.ndarray | None = None
+
+    def fit(self, values: np.ndarray) -> Standardizer:
+        with np.errstate(all="ignore"):
+            mean = np.nanmean(values, axis=0) if len(values) else np.zeros(values.shape[1])
+            std = np.nanstd(values, axis=0) if len(values) else np.ones(values.shape[1])
+        self.mean = np.nan_to_num(mean)
+        self.std = np.where(np.nan_to_num(std) > 1e-12, np.nan_to_num(std), 1.0)
+        return self
+
+    def transform(self, values: np.ndarray) -> np.ndarray:
+        if self.mean is None:
+            raise RuntimeError("Standardizer.transform before fit")
+        return np.nan_to_num((values - self.mean) / self.std).astype(np.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": torch.as_tensor(self.mean), "std": torch.as_tensor(self.std)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.mean = np.asarray(state["mean"])
+        self.std = np.asarray(state["std"])
+
+
+def output_dim(task: str, n_classes: int) -> int:
+    return n_classes if task == "multiclass" else 1
+
+
+def task_loss(task: str, output: torch.Tensor, y: torch.Tensor, *, reduction: str = "mean"
+              ) -> torch.Tensor:
+    if task == "binary":
+        return nn.functional.binary_cross_entropy_with_logits(
+            output.reshape(-1), y.float(), reduction=reduction
+        )
+    if task == "multiclass":
+        return nn.functional.cross_entropy(output, y.long(), reduction=reduction)
+    return nn.functional.mse_loss(output.reshape(-1), y.float(), reduction=reduction)
+
+
+def class_count(task: str, labels: np.ndarray) -> int:
+    """Number of classes; refuses labels that are not 0..C-1 integers for classification."""
+    if task == "regression":
+        return 1
+    values = np.unique(labels)
+    if not np.all(values == np.round(values)) or values.min() < 0:
+        raise ValueError(
+            f"classification labels must be integers 0..C-1, got values {values[:10].tolist()}"
+        )
+    n = int(values.max()) + 1
+    if task == "binary" and n > 2:
+        raise ValueError(f"task 'binary' needs labels 0/1, got {values[:10].tolist()}; use 'multiclass'")
+    return max(n, 2)
+
+
+def batches(ids: np.ndarray, batch_size: int, *, seed: int, epoch: int) -> list[np.ndarray]:
+    """The epoch's shuffled batches, reproducible from (seed, epoch) so a resumed run replays
+    the same order."""
+    rng = np.random.default_rng([seed, epoch, 0xBA7C])
+    perm = rng.permutation(ids)
+    return [perm[i : i + batch_size] for i in range(0, len(perm), batch_size)]

@@ -1,0 +1,184 @@
+"""Split-NN baseline: one encoder per party, representations fused by a secure sum, the head and
+loss at the active party, which sends back dL/dS (the same for every contributor)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from securevfl.methods.base import (
+    ActiveContext,
+    ActiveMethod,
+    MethodSpec,
+    PartyMethod,
+    SumSpec,
+    UnknownOperation,
+    register_method,
+)
+from securevfl.methods.nn import (
+    Standardizer,
+    batches,
+    class_count,
+    derived_seed,
+    make_optimizer,
+    mlp,
+    output_dim,
+    task_loss,
+)
+from securevfl.metrics import task_metrics
+
+EVAL_BATCH = 4096
+
+
+class SplitNNParty(PartyMethod):
+    """A passive party's encoder f_k."""
+
+    def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        train_ids = inputs["train_ids"]
+        self.scaler = Standardizer().fit(self.table.rows(train_ids))
+        self.encoder = mlp(
+            len(self.table.columns), self.config.hidden, self.config.width,
+            seed=derived_seed(self.config.seed, "encoder", self.name),
+        ).to(self.device)
+        self.optimizer = make_optimizer(self.encoder.parameters(), self.config)
+        self._pending: tuple[np.ndarray, torch.Tensor] | None = None
+
+    def _inputs(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
+
+    def handle(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any],
+               inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if op == "forward":
+            x = self._inputs(ids)
+            if args.get("train", False):
+                self.encoder.train()
+                out = self.encoder(x)
+                self._pending = (ids, out)
+            else:
+                self.encoder.eval()
+                with torch.no_grad():
+                    out = self.encoder(x)
+            return {"rep": out.detach().cpu().numpy()}
+        if op == "backward":
+            if self._pending is None or not np.array_equal(self._pending[0], ids):
+                raise RuntimeError("backward for rows that were not the last training forward")
+            _, out = self._pending
+            grad = torch.as_tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
+            if grad.shape != out.shape:
+                raise ValueError(f"gradient shape {tuple(grad.shape)} != representation {tuple(out.shape)}")
+            self.optimizer.zero_grad(set_to_none=True)
+            out.backward(grad)
+            self.optimizer.step()
+            self._pending = None
+            return {}
+        raise UnknownOperation("splitnn", op)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "encoder": self.encoder.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.encoder.load_state_dict(state["encoder"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+class SplitNNActive(ActiveMethod):
+    """The head g (and the active party's own encoder if it holds columns)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        cfg = self.config
+        self.n_classes = class_count(cfg.task, self.table.labels)
+        self.head = mlp(
+            cfg.width, cfg.head_hidden, output_dim(cfg.task, self.n_classes),
+            seed=derived_seed(cfg.seed, "head"),
+        ).to(self.device)
+        self.own = None
+        params = list(self.head.parameters())
+        if self.table.columns:
+            self.own = mlp(len(self.table.columns), cfg.hidden, cfg.width,
+                           seed=derived_seed(cfg.seed, "encoder", cfg.active_name)).to(self.device)
+            params += list(self.own.parameters())
+        self.optimizer = make_optimizer(params, cfg)
+        self.scaler = Standardizer()
+
+    def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
+        return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
+
+    def _forward(self, ctx: ActiveContext, ids: np.ndarray, *, train: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = ctx.call("forward", ids=ids, args={"train": train}, sums=self._sum_spec(ctx))["S"]
+        s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
+        z = s
+        if self.own is not None:
+            x = torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
+            z = z + self.own(x)
+        return s, self.head(z)
+
+    def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
+        cfg = self.config
+        if ctx.start_epoch == 0:
+            self.scaler.fit(self.table.rows(train_ids))
+        for epoch in range(ctx.start_epoch, cfg.epochs):
+            started = time.perf_counter()
+            total_loss = 0.0
+            self.head.train()
+            for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
+                s, out = self._forward(ctx, ids, train=True)
+                y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
+                loss = task_loss(cfg.task, out, y)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                # per-sample gradients dl_i/dS_i (loss is a mean): DP clips rows of these
+                per_sample = (s.grad * len(ids)).cpu().numpy()
+                released = ctx.release_gradients({"grad": per_sample}, epoch=epoch)
+                ctx.call("backward", ids=ids, inputs={"grad": released["grad"] / len(ids)},
+                         to=ctx.parties)
+                self.optimizer.step()
+                total_loss += float(loss) * len(ids)
+            elapsed = time.perf_counter() - started
+            ctx.epoch_done(epoch, stats={
+                "loss": total_loss / max(len(train_ids), 1),
+                "rows_per_s": len(train_ids) / max(elapsed, 1e-9),
+            })
+
+    def predict(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
+        self.head.eval()
+        outs = []
+        with torch.no_grad():
+            for start in range(0, len(ids), EVAL_BATCH):
+                _, out = self._forward(ctx, ids[start : start + EVAL_BATCH], train=False)
+                outs.append(out.cpu().numpy())
+        return np.concatenate(outs) if outs else np.empty((0, 1))
+
+    def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
+        output = self.predict(ctx, ids)
+        return task_metrics(self.config.task, y_true=self.table.label_rows(ids), output=output)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict()}
+        if self.own is not None:
+            state["own"] = self.own.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.own is not None:
+            self.own.load_state_dict(state["own"])
+
+
+SPEC = register_method(MethodSpec(
+    name="splitnn", active=SplitNNActive, party=SplitNNParty,
+    description="split-NN baseline: summed party representations, head at the active party",
+))

@@ -1,0 +1,216 @@
+"""The active party's role: holds the labels, drives the method through secure sums, checkpoints
+each epoch, and writes metrics.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets as pysecrets
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from securevfl.config import RunConfig
+from securevfl.data.table import ActiveTable, train_test_split
+from securevfl.methods import SumSpec, method_spec
+from securevfl.roles import protocol as P
+from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
+from securevfl.roles.connection import RoleConnection
+from securevfl.secure_sum import SumSession, backend, check_group
+from transport import Envelope
+
+
+class FederationContext:
+    """`ActiveContext` over a connection to the aggregator."""
+
+    def __init__(self, *, cfg: RunConfig, conn: RoleConnection, session: bytes, run_dir: Path,
+                 method: Any, logger: logging.Logger, start_epoch: int,
+                 out: Any = sys.stdout) -> None:
+        self.config = cfg
+        self.conn = conn
+        self.run_dir = run_dir
+        self.method = method
+        self.logger = logger
+        self.start_epoch = start_epoch
+        self.out = out
+        self.round = 0
+        self._parties = tuple(cfg.party_names)
+        self.key_holder = None
+        ckks_context = None
+        if cfg.aggregation == "ckks":
+            from crypto.ckks import CkksKeyHolder, CkksParams
+
+            self.key_holder = CkksKeyHolder(params=CkksParams(
+                poly_modulus_degree=cfg.ckks.poly_modulus_degree,
+                coeff_mod_bit_sizes=cfg.ckks.coeff_mod_bit_sizes,
+                scale_bits=cfg.ckks.scale_bits,
+            ))
+            ckks_context = self.key_holder.public_context_bytes()
+        self.ckks_context = ckks_context
+        sum_session = SumSession(name=cfg.active_name, session=session, min_group=cfg.min_group,
+                                 frac_bits=cfg.frac_bits, bound=cfg.bound)
+        stage_cls = backend(cfg.aggregation).active
+        if cfg.aggregation == "ckks":
+            self.stage = stage_cls(sum_session, key_holder=self.key_holder)
+        else:
+            self.stage = stage_cls(sum_session)
+        self.epoch_seconds: list[float] = []
+        self.history: list[dict[str, float]] = []
+        self._epoch_started = time.perf_counter()
+
+    @property
+    def parties(self) -> tuple[str, ...]:
+        return self._parties
+
+    def log(self, message: str) -> None:
+        self.logger.info("%s", message)
+
+    def call(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any] | None = None,
+             inputs: Mapping[str, np.ndarray] | None = None, sums: Sequence[SumSpec] = (),
+             to: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        if to is None:
+            members = sorted({p for s in sums for p in s.group})
+            to = members or list(self._parties)
+        for spec in sums:
+            check_group(self.config.aggregation, spec.group, min_group=self.config.min_group,
+                        key=spec.key, what=f"method {self.config.method!r}, op {op!r}")
+        self.round += 1
+        tensors = {"ids": np.asarray(ids, dtype=np.int64), **dict(inputs or {})}
+        self.conn.send(Envelope(
+            kind=P.CALL, sender=self.config.active_name, session=self.conn.session_hex or "",
+            round=self.round, tensors=tensors,
+            meta={"op": op, "args": dict(args or {}), "to": list(to),
+                  "sums": [[s.key, s.tensor, list(s.group)] for s in sums]},
+        ))
+        while True:
+            env = self.conn.recv(timeout=self.config.round_timeout + self.config.peer_timeout,
+                                 waiting_for=f"the result of round {self.round} ({op})")
+            if env.kind == P.RESULT and env.round == self.round:
+                break
+            self.logger.warning("dropped %r for round %d while waiting for round %d", env.kind,
+                                env.round, self.round)
+        shapes = env.meta.get("shapes", {})
+        out = {}
+        for spec in sums:
+            arrays = {k: v for k, v in env.tensors.items()
+                      if k == spec.key or k.startswith(spec.key + "/")}
+            out[spec.key] = self.stage.reveal(arrays, group=spec.group, key=spec.key,
+                                              shape=tuple(shapes[spec.key]))
+        return out
+
+    def release_gradients(self, grads: Mapping[str, np.ndarray], *, epoch: int
+                          ) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+
+    def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
+        self.epoch_seconds.append(time.perf_counter() - self._epoch_started)
+        self.history.append({"epoch": epoch, **{k: float(v) for k, v in stats.items()}})
+        # commit point: every party has saved epoch `epoch` before the active party does
+        self.call(P.OP_CHECKPOINT, ids=np.empty(0, dtype=np.int64), args={"epoch": epoch},
+                  to=self._parties)
+        save_checkpoint(self.run_dir, self.config.active_name, epoch, {
+            "method": self.method.state_dict(),
+            "epoch_seconds": list(self.epoch_seconds),
+            "history": [dict(h) for h in self.history],
+            "round": self.round,
+        })
+        parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
+        line = f"epoch {epoch + 1}/{self.config.epochs}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        print(line, file=self.out, flush=True)
+        self.logger.info("%s", line)
+        self._epoch_started = time.perf_counter()
+
+
+def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path, address: str,
+               logger: logging.Logger, device: Any, resume: bool = False,
+               table: ActiveTable | None = None, context: Any = None,
+               out: Any = sys.stdout) -> int:
+    from securevfl.data.table import load_active_table
+
+    started = time.perf_counter()
+    if table is None:
+        table = load_active_table(data_path, cfg)
+    spec = method_spec(cfg.method)
+    method = spec.active(table=table, config=cfg, device=device)
+    train_ids, test_ids = train_test_split(
+        table.ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
+        labels=table.labels, stratify=cfg.task != "regression",
+    )
+    start_epoch = 0
+    saved: dict[str, Any] | None = None
+    if resume:
+        last = latest_epoch(run_dir, cfg.active_name)
+        if last is None:
+            logger.warning("--resume: no checkpoint yet, starting from epoch 1")
+        else:
+            saved = load_checkpoint(run_dir, cfg.active_name, last)
+            method.load_state_dict(saved["method"])
+            start_epoch = last + 1
+            print(f"resuming after epoch {last + 1}", file=out, flush=True)
+    conn = RoleConnection.connect(cfg=cfg, name=cfg.active_name, keys_dir=keys_dir,
+                                  address=address, logger=logger, nonce=pysecrets.token_hex(16),
+                                  context=context)
+    try:
+        session = conn.handshake()
+        ctx = FederationContext(cfg=cfg, conn=conn, session=session, run_dir=run_dir,
+                                method=method, logger=logger, start_epoch=start_epoch, out=out)
+        if saved is not None:
+            ctx.epoch_seconds = list(saved.get("epoch_seconds", []))
+            ctx.history = list(saved.get("history", []))
+        setup_inputs: dict[str, np.ndarray] = {"train_ids": train_ids}
+        if ctx.ckks_context is not None:
+            setup_inputs["ckks_context"] = np.frombuffer(ctx.ckks_context, dtype=np.uint8)
+        ctx.call(P.OP_SETUP, ids=np.empty(0, dtype=np.int64),
+                 args={"resume_epoch": start_epoch - 1}, inputs=setup_inputs, to=ctx.parties)
+        ctx._epoch_started = time.perf_counter()
+        method.fit(ctx, train_ids=train_ids)
+        test = method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}
+        ctx.round += 1
+        conn.send(Envelope(kind=P.BYE, sender=cfg.active_name, session=conn.session_hex or "",
+                           round=ctx.round))
+        stats_env = conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
+        roles = dict(stats_env.meta.get("stats", {}))
+        roles[cfg.active_name] = conn.stats()
+        metrics = {
+            "method": cfg.method,
+            "aggregation": cfg.aggregation,
+            "seed": cfg.seed,
+            "task": cfg.task,
+            "n_train": int(len(train_ids)),
+            "n_test": int(len(test_ids)),
+            "test": test,
+            "history": ctx.history,
+            "epoch_seconds": ctx.epoch_seconds,
+            "wall_seconds": time.perf_counter() - started,
+            "rounds": ctx.round,
+            "roles": roles,
+            **method.summary(),
+        }
+        write_metrics(run_dir, metrics)
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in test.items() if isinstance(v, float))
+        print(f"test: {shown}", file=out, flush=True)
+        logger.info("finished; test metrics %s", test)
+        return P.EXIT_OK
+    finally:
+        conn.close()
+
+
+def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> Path:
+    path = Path(run_dir) / "metrics.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

@@ -1,0 +1,123 @@
+"""The passive-party role: answers the active party's calls with protected contributions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets as pysecrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from securevfl.config import RunConfig
+from securevfl.methods import SumSpec, method_spec
+from securevfl.roles import protocol as P
+from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
+from securevfl.roles.connection import RoleConnection
+from securevfl.secure_sum import SumSession, backend
+from transport import Envelope
+
+
+def parse_sums(meta: Mapping[str, Any]) -> list[SumSpec]:
+    return [SumSpec(key=k, tensor=t, group=tuple(g)) for k, t, g in meta.get("sums", [])]
+
+
+class PassiveParty:
+    """One passive party's loop. `run()` returns when the active party says bye."""
+
+    def __init__(self, *, cfg: RunConfig, name: str, table: Any, conn: RoleConnection,
+                 run_dir: Path, logger: logging.Logger, device: Any) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.conn = conn
+        self.run_dir = run_dir
+        self.logger = logger
+        self.method = method_spec(cfg.method).party(
+            name=name, table=table, config=cfg, device=device
+        )
+        self.stage = None
+        self.last_round = -1
+
+    def run(self) -> dict[str, Any]:
+        session = self.conn.handshake()
+        while True:
+            env = self.conn.recv(timeout=self.cfg.round_timeout, waiting_for="the next call")
+            if env.kind == P.ABORT:
+                raise P.RunAborted(env.meta.get("reason", "aborted"), lost=env.meta.get("lost"))
+            if env.kind == P.BYE:
+                stats = self.conn.stats()
+                self.conn.send(Envelope(kind=P.STATS, sender=self.name, round=env.round,
+                                        meta={"stats": {self.name: stats}}))
+                return stats
+            if env.kind != P.CALL:
+                self.logger.warning("ignored unexpected %r message", env.kind)
+                continue
+            if env.round <= self.last_round:
+                self.logger.warning("ignored call for round %d (already at %d)", env.round,
+                                    self.last_round)
+                continue
+            self.last_round = env.round
+            tensors, shapes = self._answer(env, session)
+            self.conn.send(Envelope(kind=P.CONTRIB, sender=self.name, round=env.round,
+                                    tensors=tensors, meta={"shapes": shapes}))
+
+    def _answer(self, env: Envelope, session: bytes) -> tuple[dict[str, np.ndarray], dict]:
+        op = env.meta["op"]
+        args = env.meta.get("args", {})
+        inputs = {k: v for k, v in env.tensors.items() if k != "ids"}
+        if op == P.OP_SETUP:
+            self.method.setup(args=args, inputs=inputs)
+            ckks = inputs.get("ckks_context")
+            self.stage = backend(self.cfg.aggregation).party(SumSession(
+                name=self.name, session=session, min_group=self.cfg.min_group,
+                frac_bits=self.cfg.frac_bits, bound=self.cfg.bound,
+                mask_keypair=self.conn.secrets.mask, mask_publics=self.conn.public.mask,
+                ckks_public_context=None if ckks is None else ckks.tobytes(),
+            ))
+            resume_epoch = int(args.get("resume_epoch", -1))
+            if resume_epoch >= 0:
+                self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
+                self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
+            return {}, {}
+        if op == P.OP_CHECKPOINT:
+            epoch = int(args["epoch"])
+            save_checkpoint(self.run_dir, self.name, epoch, self.method.state_dict())
+            return {}, {}
+        if self.stage is None:
+            raise RuntimeError(f"call {op!r} before setup")
+        out = self.method.handle(op, ids=env.tensors["ids"], args=args, inputs=inputs)
+        tensors: dict[str, np.ndarray] = {}
+        shapes: dict[str, list[int]] = {}
+        for spec in parse_sums(env.meta):
+            if self.name not in spec.group:
+                continue
+            if spec.tensor not in out:
+                raise RuntimeError(
+                    f"method {self.cfg.method!r} did not produce tensor {spec.tensor!r} for {op!r}"
+                )
+            value = np.asarray(out[spec.tensor], dtype=np.float64)
+            tensors.update(self.stage.protect(value, round=env.round, group=spec.group,
+                                              key=spec.key))
+            shapes[spec.key] = list(value.shape)
+        return tensors, shapes
+
+
+def run_party(cfg: RunConfig, *, name: str, run_dir: Path, keys_dir: Path, data_path: Path,
+              address: str, logger: logging.Logger, device: Any, table: Any = None,
+              context: Any = None) -> int:
+    from securevfl.data.table import load_party_table
+
+    if table is None:
+        table = load_party_table(data_path, cfg, name)
+    logger.info("party %s (pid %d): %d rows, columns %s", name, os.getpid(), len(table),
+                list(table.columns))
+    conn = RoleConnection.connect(cfg=cfg, name=name, keys_dir=keys_dir, address=address,
+                                  logger=logger, nonce=pysecrets.token_hex(16), context=context)
+    try:
+        PassiveParty(cfg=cfg, name=name, table=table, conn=conn, run_dir=run_dir, logger=logger,
+                     device=device).run()
+        return P.EXIT_OK
+    finally:
+        conn.close()

@@ -1,0 +1,85 @@
+"""Message kinds, exit codes and the session handshake shared by the three roles.
+
+Every round is driven by the active party:
+
+    active --call(op, ids, sums)--> aggregator --call--> each party in `to`
+    party  --contrib(protected arrays)--> aggregator --result(sums)--> active
+
+A `call` with no sums (e.g. backward) is answered by empty contributions (an acknowledgement), so
+the active party always knows a round has finished everywhere before it starts the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+HELLO = "hello"
+WELCOME = "welcome"
+CALL = "call"
+CONTRIB = "contrib"
+RESULT = "result"
+ABORT = "abort"
+ERROR = "error"
+BYE = "bye"
+STATS = "stats"
+KINDS = frozenset({HELLO, WELCOME, CALL, CONTRIB, RESULT, ABORT, ERROR, BYE, STATS})
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_BUDGET = 3
+EXIT_PEER_LOST = 4
+
+# operations the roles handle themselves (not the method)
+OP_SETUP = "setup"
+OP_CHECKPOINT = "checkpoint"
+
+
+class RunAborted(RuntimeError):
+    """The federation stopped because a role was lost or failed; `.lost` names it."""
+
+    def __init__(self, message: str, *, lost: str | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+def session_id(nonces: Mapping[str, str]) -> str:
+    """The session id every role derives from every role's fresh nonce, so that no single role
+    chooses it and every role knows it is fresh (its own nonce is in it)."""
+    h = hashlib.sha256(b"securevfl/session/v1")
+    for name in sorted(nonces):
+        h.update(len(name).to_bytes(2, "big") + name.encode())
+        h.update(bytes.fromhex(nonces[name]))
+    return h.hexdigest()[:32]
+
+
+def role_logger(role: str, run_dir: Path | None) -> logging.Logger:
+    """A logger writing everything to RUN_DIR/logs/<role>.log and warnings to stderr."""
+    logger = logging.getLogger(f"securevfl.{role}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter(f"%(asctime)s {role} %(levelname)s %(message)s")
+    if run_dir is not None:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(run_dir / "logs" / f"{role}.log")
+        fh.setFormatter(fmt)
+        logger.addHandler(fh)
+    sh = logging.StreamHandler(sys.stderr)
+    sh.setLevel(logging.WARNING)
+    sh.setFormatter(fmt)
+    logger.addHandler(sh)
+    # the transport logs rejections under its own logger names: keep them in the role's log
+    for name in ("transport", "zmq.auth"):
+        tl = logging.getLogger(name)
+        tl.setLevel(logging.INFO)
+        for h in logger.handlers:
+            if h not in tl.handlers:
+                tl.addHandler(h)
+    return logger

@@ -1,0 +1,281 @@
+"""The one secure-sum interface, with backends `plain`, `mask` and `ckks`.
+
+A sum has three stages, each in a different process:
+
+* party stage (`PartySumStage.protect`): turns a party's float tensor into the named arrays it
+  sends to the aggregator (plain floats, masked ring elements, or CKKS ciphertext chunks);
+* aggregator stage (`AggregatorSumStage.combine`): adds the contributions of exactly the group;
+* active stage (`ActiveSumStage.reveal`): turns the combined arrays back into the float sum.
+
+Methods never see which backend runs. Secure backends refuse sums with fewer than `min_group`
+passive contributors (a sum over one party *is* that party's representation).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from crypto import FixedPointEncoder, MaskedSumAggregator, MaskedSumParty, MaskingKeyPair
+
+
+class GroupTooSmall(ValueError):
+    """A secure sum was asked over fewer contributors than `min_group`."""
+
+
+class ContributionError(ValueError):
+    """A contribution does not fit the sum (wrong names, shapes or dtypes)."""
+
+
+@dataclass
+class SumSession:
+    """What a role needs to take part in the secure sums of one session."""
+
+    name: str
+    session: bytes
+    min_group: int = 2
+    frac_bits: int = 20
+    bound: float = 2.0**20
+    mask_keypair: MaskingKeyPair | None = None
+    mask_publics: Mapping[str, bytes] = field(default_factory=dict)
+    ckks_public_context: bytes | None = None
+
+
+def check_group(backend: str, group: Sequence[str], *, min_group: int, key: str, what: str) -> None:
+    """Refuse a secure sum with fewer than `min_group` contributors; `what` names the step."""
+    if backend != "plain" and len(group) < min_group:
+        raise GroupTooSmall(
+            f"{what}: secure sum {key!r} over {list(group)} has {len(group)} contributor(s), "
+            f"fewer than min_group = {min_group}; a sum over so few parties reveals their "
+            "contributions. The method must skip this sum, or set [run] min_group = 1 to accept "
+            "unprotected sums explicitly (they are recorded as unprotected releases)"
+        )
+
+
+class PartySumStage(ABC):
+    backend: ClassVar[str]
+
+    def __init__(self, s: SumSession) -> None:
+        self.s = s
+
+    @abstractmethod
+    def protect(self, x: np.ndarray, *, round: int, group: Sequence[str], key: str
+                ) -> dict[str, np.ndarray]:
+        """Arrays to send for this party's contribution `x` to sum `key` over `group`."""
+
+
+class AggregatorSumStage(ABC):
+    backend: ClassVar[str]
+
+    def __init__(self, s: SumSession) -> None:
+        self.s = s
+
+    @abstractmethod
+    def combine(self, contributions: Mapping[str, Mapping[str, np.ndarray]], *,
+                group: Sequence[str], key: str) -> dict[str, np.ndarray]:
+        """Add the contributions (party -> its arrays) of exactly `group`."""
+
+
+class ActiveSumStage(ABC):
+    backend: ClassVar[str]
+
+    def __init__(self, s: SumSession) -> None:
+        self.s = s
+
+    @abstractmethod
+    def reveal(self, combined: Mapping[str, np.ndarray], *, group: Sequence[str], key: str,
+               shape: tuple[int, ...]) -> np.ndarray:
+        """The float64 sum, of `shape`."""
+
+
+def _one(arrays: Mapping[str, np.ndarray], key: str, who: str) -> np.ndarray:
+    if set(arrays) != {key}:
+        raise ContributionError(f"{who} sent tensors {sorted(arrays)} for sum {key!r}")
+    return arrays[key]
+
+
+def _check_members(contributions: Mapping[str, object], group: Sequence[str], key: str) -> None:
+    missing = sorted(set(group) - set(contributions))
+    extra = sorted(set(contributions) - set(group))
+    if missing or extra:
+        raise ContributionError(
+            f"sum {key!r}: missing contributions from {missing}, unexpected ones from {extra}"
+        )
+
+
+# ---------------------------------------------------------------------------------- plain
+
+
+class PlainParty(PartySumStage):
+    backend = "plain"
+
+    def protect(self, x, *, round, group, key):
+        return {key: np.ascontiguousarray(x, dtype=np.float32)}
+
+
+class PlainAggregator(AggregatorSumStage):
+    backend = "plain"
+
+    def combine(self, contributions, *, group, key):
+        _check_members(contributions, group, key)
+        arrays = [_one(a, key, p).astype(np.float64) for p, a in contributions.items()]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ContributionError(f"sum {key!r}: contributions have different shapes {shapes}")
+        return {key: np.sum(arrays, axis=0)}
+
+
+class PlainActive(ActiveSumStage):
+    backend = "plain"
+
+    def reveal(self, combined, *, group, key, shape):
+        return np.asarray(_one(combined, key, "aggregator"), dtype=np.float64).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------- mask
+
+
+def _encoder(s: SumSession) -> FixedPointEncoder:
+    return FixedPointEncoder(frac_bits=s.frac_bits, bound=s.bound)
+
+
+class MaskParty(PartySumStage):
+    backend = "mask"
+
+    def __init__(self, s: SumSession) -> None:
+        super().__init__(s)
+        if s.mask_keypair is None:
+            raise ValueError(f"{s.name}: mask aggregation needs this party's masking key pair")
+        self.encoder = _encoder(s)
+        self.masker = MaskedSumParty(
+            name=s.name, keypair=s.mask_keypair, peer_publics=dict(s.mask_publics),
+            session=s.session, encoder=self.encoder,
+        )
+
+    def protect(self, x, *, round, group, key):
+        check_group("mask", group, min_group=self.s.min_group, key=key, what=f"party {self.s.name}")
+        if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
+            return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
+        return {key: self.masker.mask(np.asarray(x, dtype=np.float64), round=round, group=group,
+                                      tensor=key)}
+
+
+class MaskAggregator(AggregatorSumStage):
+    backend = "mask"
+
+    def combine(self, contributions, *, group, key):
+        check_group("mask", group, min_group=self.s.min_group, key=key, what="aggregator")
+        _check_members(contributions, group, key)
+        arrays = {p: _one(a, key, p) for p, a in contributions.items()}
+        return {key: MaskedSumAggregator.add(arrays, group=group)}
+
+
+class MaskActive(ActiveSumStage):
+    backend = "mask"
+
+    def __init__(self, s: SumSession) -> None:
+        super().__init__(s)
+        self.encoder = _encoder(s)
+
+    def reveal(self, combined, *, group, key, shape):
+        total = _one(combined, key, "aggregator")
+        return self.encoder.decode(total, terms=len(group)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------- ckks
+
+
+def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]:
+    prefix = f"{key}/"
+    names = sorted((n for n in arrays if n.startswith(prefix)), key=lambda n: int(n[len(prefix):]))
+    if not names or len(names) != len(arrays):
+        raise ContributionError(f"{who} sent tensors {sorted(arrays)[:5]} for CKKS sum {key!r}")
+    if [int(n[len(prefix):]) for n in names] != list(range(len(names))):
+        raise ContributionError(f"{who}: CKKS chunks of {key!r} are not numbered 0..n-1")
+    return [arrays[n].tobytes() for n in names]
+
+
+def _chunk_arrays(key: str, chunks: Sequence[bytes]) -> dict[str, np.ndarray]:
+    return {f"{key}/{i}": np.frombuffer(c, dtype=np.uint8) for i, c in enumerate(chunks)}
+
+
+class CkksParty(PartySumStage):
+    backend = "ckks"
+
+    def __init__(self, s: SumSession) -> None:
+        super().__init__(s)
+        from crypto.ckks import CkksPublic
+
+        if s.ckks_public_context is None:
+            raise ValueError(f"{s.name}: ckks aggregation needs the key holder's public context")
+        self.public = CkksPublic(context_bytes=s.ckks_public_context)
+
+    def protect(self, x, *, round, group, key):
+        check_group("ckks", group, min_group=self.s.min_group, key=key, what=f"party {self.s.name}")
+        packed = self.public.encrypt(np.asarray(x, dtype=np.float64).reshape(-1))
+        return _chunk_arrays(key, packed.chunks)
+
+
+class CkksAggregator(AggregatorSumStage):
+    backend = "ckks"
+
+    def __init__(self, s: SumSession) -> None:
+        super().__init__(s)
+        from crypto.ckks import CkksPublic
+
+        if s.ckks_public_context is None:
+            raise ValueError("the aggregator needs the key holder's public CKKS context")
+        self.public = CkksPublic(context_bytes=s.ckks_public_context)
+
+    def combine(self, contributions, *, group, key):
+        from crypto.ckks import PackedCiphertexts
+
+        check_group("ckks", group, min_group=self.s.min_group, key=key, what="aggregator")
+        _check_members(contributions, group, key)
+        packs = []
+        for p, arrays in contributions.items():
+            packs.append(PackedCiphertexts(chunks=_chunks(arrays, key, p), length=-1))
+        total = self.public.add(packs)
+        return _chunk_arrays(key, total.chunks)
+
+
+class CkksActive(ActiveSumStage):
+    backend = "ckks"
+
+    def __init__(self, s: SumSession, *, key_holder: object) -> None:
+        super().__init__(s)
+        self.key_holder = key_holder
+
+    def reveal(self, combined, *, group, key, shape):
+        from crypto.ckks import PackedCiphertexts
+
+        length = int(np.prod(shape))
+        packed = PackedCiphertexts(chunks=_chunks(combined, key, "aggregator"), length=length)
+        return np.asarray(self.key_holder.decrypt_sum(packed, shape=tuple(shape)), dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class SecureSumBackend:
+    name: str
+    secure: bool
+    party: type[PartySumStage]
+    aggregator: type[AggregatorSumStage]
+    active: type[ActiveSumStage]
+
+
+BACKENDS: dict[str, SecureSumBackend] = {
+    "plain": SecureSumBackend("plain", False, PlainParty, PlainAggregator, PlainActive),
+    "mask": SecureSumBackend("mask", True, MaskParty, MaskAggregator, MaskActive),
+    "ckks": SecureSumBackend("ckks", True, CkksParty, CkksAggregator, CkksActive),
+}
+
+
+def backend(name: str) -> SecureSumBackend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise KeyError(f"unknown aggregation {name!r}; choose one of {sorted(BACKENDS)}") from None
