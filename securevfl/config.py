@@ -513,6 +513,8 @@ def register_missing_kind(kind: str, params: set[str]) -> None:
 
 
 def _missing(raw: Any, key: str) -> MissingSpec:
+    import securevfl.data.missing  # noqa: F401  (registers the generators' parameters)
+
     if raw is None:
         return MissingSpec()
     if not isinstance(raw, Mapping) or "kind" not in raw:

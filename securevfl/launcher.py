@@ -57,7 +57,8 @@ def prepare_run_dir(cfg: RunConfig, config_path: Path, out: Path, *, resume: boo
             "--out directory"
         )
     split_federation(cfg, out)
-    shutil.copyfile(config_path, out / "config.toml")
+    if Path(config_path).resolve() != (out / "config.toml").resolve() and Path(config_path).exists():
+        shutil.copyfile(config_path, out / "config.toml")
     generate_keys(cfg.role_names, keys, overwrite=True)
     return keys
 

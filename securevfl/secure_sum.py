@@ -232,13 +232,10 @@ class CkksAggregator(AggregatorSumStage):
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
 
     def combine(self, contributions, *, group, key):
-        from crypto.ckks import PackedCiphertexts
-
         check_group("ckks", group, min_group=self.s.min_group, key=key, what="aggregator")
         _check_members(contributions, group, key)
-        packs = []
-        for p, arrays in contributions.items():
-            packs.append(PackedCiphertexts(chunks=_chunks(arrays, key, p), length=-1))
+        packs = [self.public.packed_from_frames(_chunks(arrays, key, p))
+                 for p, arrays in contributions.items()]
         total = self.public.add(packs)
         return _chunk_arrays(key, total.chunks)
 

@@ -158,7 +158,12 @@ def role_data_path(run_dir: Path, role: str) -> Path:
 def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
     """Split the config's table into one CSV per role inside `run_dir/data/`.
 
-    Returns role name -> file. Raises ConfigError naming a missing column."""
+    A passive party's file has no line for the rows it lacks: rows whose cells of its columns are
+    all empty in the source table, or rows the configured missingness generator ([missing])
+    removes. Rows that no passive party holds are dropped from every file. Returns role -> file.
+    Raises ConfigError naming a missing column."""
+    from securevfl.data.missing import presence
+
     try:
         ids, values, labels = read_csv_columns(
             cfg.data_path,
@@ -168,26 +173,49 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
         )
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
-    out: dict[str, Path] = {}
+    blocks: dict[str, np.ndarray] = {}
     offset = 0
-    blocks = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
-    for role, cols in blocks:
-        block = values[:, offset : offset + len(cols)]
+    for role, cols in [(cfg.active_name, cfg.active_columns)] + [
+        (p.name, p.columns) for p in cfg.parties
+    ]:
+        blocks[role] = values[:, offset : offset + len(cols)]
         offset += len(cols)
-        path = role_data_path(run_dir, role)
+    present = np.stack(
+        [~np.all(np.isnan(blocks[p]), axis=1) for p in cfg.party_names], axis=1
+    )
+    _, test_ids = train_test_split(ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
+                                   labels=labels, stratify=cfg.task != "regression")
+    is_test = np.isin(ids, test_ids)
+    for split, spec, rows in (("train", cfg.missing_train, ~is_test),
+                              ("test", cfg.missing_test, is_test)):
+        sub = {p: blocks[p][rows] for p in cfg.party_names}
+        present[rows] &= presence(spec, parties=cfg.party_names, n_rows=int(rows.sum()),
+                                  seed=cfg.seed, split=split, features=sub)
+    keep = present.any(axis=1)
+    out: dict[str, Path] = {}
+    for role, block in blocks.items():
         is_active = role == cfg.active_name
+        # the active party keeps every row (and so the same train/test split); it learns at
+        # set-up which rows each party holds and drops the rows nobody holds
+        rows = np.ones(len(ids), dtype=bool) if is_active else (
+            keep & present[:, cfg.party_names.index(role)])
+        path = role_data_path(run_dir, role)
         write_csv(
-            path, id_column=cfg.id_column, ids=ids, columns=cols, values=block,
-            label=cfg.label if is_active else None, labels=labels if is_active else None,
+            path, id_column=cfg.id_column, ids=ids[rows], columns=(
+                cfg.active_columns if is_active else cfg.party(role).columns),
+            values=block[rows],
+            label=cfg.label if is_active else None, labels=labels[rows] if is_active else None,
         )
         out[role] = path
     return out
 
 
 def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
+    """A passive party's own file. A row whose cells are all empty is a row the party lacks."""
     cols = cfg.party(role).columns
     ids, values, _ = read_csv_columns(path, id_column=cfg.id_column, columns=cols)
-    return PartyTable(ids=ids, columns=cols, values=values)
+    held = ~np.all(np.isnan(values), axis=1) if len(cols) else np.ones(len(ids), dtype=bool)
+    return PartyTable(ids=ids[held], columns=cols, values=values[held])
 
 
 def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:

@@ -6,6 +6,7 @@ from securevfl.methods.base import (
     ActiveContext,
     ActiveMethod,
     MethodSpec,
+    PartyDropped,
     PartyMethod,
     SumSpec,
     UnknownOperation,
@@ -21,7 +22,8 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    from securevfl.methods import splitnn  # noqa: F401  (registers on import)
+    # each module registers its methods on import
+    from securevfl.methods import baselines, laser, ols, splitnn, vfem  # noqa: F401
 
 
 def method_names() -> tuple[str, ...]:
@@ -41,6 +43,7 @@ __all__ = [
     "ActiveContext",
     "ActiveMethod",
     "MethodSpec",
+    "PartyDropped",
     "PartyMethod",
     "SumSpec",
     "UnknownOperation",

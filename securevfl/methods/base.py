@@ -16,7 +16,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -63,9 +64,18 @@ class ActiveContext(Protocol):
         inputs: Mapping[str, np.ndarray] | None = None,
         sums: Sequence[SumSpec] = (),
         to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
     ) -> dict[str, np.ndarray]:
         """Run `op` at parties `to` (default: every party in a sum's group, else all) on rows
-        `ids`; return the decoded sum of each `SumSpec`, keyed by `SumSpec.key`."""
+        `ids`; return the decoded sum of each `SumSpec`, keyed by `SumSpec.key`.
+
+        `collect` names tensors each party sends to the active party *in the clear* (returned
+        as ``"name@party"``): only for things the active party may know (e.g. row counts)."""
+        ...
+
+    def presence(self, ids: np.ndarray) -> np.ndarray:
+        """Boolean [len(ids), len(all parties)]: which party holds which row (learnt at set-up,
+        as after a private set intersection). Columns follow `config.party_names`."""
         ...
 
     def release_gradients(
@@ -141,6 +151,24 @@ class ActiveMethod(ABC):
     def summary(self) -> dict[str, Any]:
         """Extra entries for metrics.json (e.g. coefficients of a statistical method)."""
         return {}
+
+    def report(self, run_dir: Path, out: IO[str]) -> None:
+        """Write extra outputs (tables, CSV files) after evaluation. Optional."""
+        del run_dir, out
+
+    # A method that can go on without a party that died sets this; others stop cleanly with a
+    # resumable checkpoint when a party is lost.
+    tolerates_dropout: bool = False
+
+
+class PartyDropped(RuntimeError):
+    """Raised by `ActiveContext.call` when a party stopped answering mid-round and the method
+    tolerates dropouts: the party is gone from `ctx.parties`; re-run the step with the survivors
+    (a new round, so fresh masks)."""
+
+    def __init__(self, party: str) -> None:
+        super().__init__(f"party {party!r} was lost; continuing without it")
+        self.party = party
 
 
 class UnknownOperation(ValueError):

@@ -39,7 +39,7 @@ class SplitNNParty(PartyMethod):
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = inputs["train_ids"]
-        self.scaler = Standardizer().fit(self.table.rows(train_ids))
+        self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
         self.encoder = mlp(
             len(self.table.columns), self.config.hidden, self.config.width,
             seed=derived_seed(self.config.seed, "encoder", self.name),
@@ -67,7 +67,7 @@ class SplitNNParty(PartyMethod):
             if self._pending is None or not np.array_equal(self._pending[0], ids):
                 raise RuntimeError("backward for rows that were not the last training forward")
             _, out = self._pending
-            grad = torch.as_tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
+            grad = torch.tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
             if grad.shape != out.shape:
                 raise ValueError(f"gradient shape {tuple(grad.shape)} != representation {tuple(out.shape)}")
             self.optimizer.zero_grad(set_to_none=True)
@@ -125,6 +125,13 @@ class SplitNNActive(ActiveMethod):
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         cfg = self.config
+        incomplete = int((~ctx.presence(train_ids).all(axis=1)).sum())
+        if incomplete:
+            raise ValueError(
+                f"splitnn needs every training row at every party, but {incomplete} rows are "
+                "missing at some party; use method \"standard-vfl\" (complete rows only) or "
+                "\"laser\" (any subset of parties)"
+            )
         if ctx.start_epoch == 0:
             self.scaler.fit(self.table.rows(train_ids))
         for epoch in range(ctx.start_epoch, cfg.epochs):
@@ -143,7 +150,7 @@ class SplitNNActive(ActiveMethod):
                 ctx.call("backward", ids=ids, inputs={"grad": released["grad"] / len(ids)},
                          to=ctx.parties)
                 self.optimizer.step()
-                total_loss += float(loss) * len(ids)
+                total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
             ctx.epoch_done(epoch, stats={
                 "loss": total_loss / max(len(train_ids), 1),

@@ -21,6 +21,7 @@ from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
+from securevfl.roles.party import report_failure
 from securevfl.secure_sum import SumSession, backend, check_group
 from transport import Envelope
 
@@ -72,7 +73,8 @@ class FederationContext:
 
     def call(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any] | None = None,
              inputs: Mapping[str, np.ndarray] | None = None, sums: Sequence[SumSpec] = (),
-             to: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+             to: Sequence[str] | None = None, collect: Sequence[str] = ()
+             ) -> dict[str, np.ndarray]:
         if to is None:
             members = sorted({p for s in sums for p in s.group})
             to = members or list(self._parties)
@@ -85,7 +87,8 @@ class FederationContext:
             kind=P.CALL, sender=self.config.active_name, session=self.conn.session_hex or "",
             round=self.round, tensors=tensors,
             meta={"op": op, "args": dict(args or {}), "to": list(to),
-                  "sums": [[s.key, s.tensor, list(s.group)] for s in sums]},
+                  "sums": [[s.key, s.tensor, list(s.group)] for s in sums],
+                  "collect": list(collect)},
         ))
         while True:
             env = self.conn.recv(timeout=self.config.round_timeout + self.config.peer_timeout,
@@ -101,7 +104,17 @@ class FederationContext:
                       if k == spec.key or k.startswith(spec.key + "/")}
             out[spec.key] = self.stage.reveal(arrays, group=spec.group, key=spec.key,
                                               shape=tuple(shapes[spec.key]))
+        for name in collect:
+            for party in to:
+                out[f"{name}@{party}"] = env.tensors[f"{name}@{party}"]
         return out
+
+    def presence(self, ids: np.ndarray) -> np.ndarray:
+        return self._presence[self.method.table.positions(ids)]
+
+    def set_presence(self, held: Mapping[str, np.ndarray]) -> None:
+        self._presence = np.stack([np.asarray(held[p], dtype=bool)
+                                   for p in self.config.party_names], axis=1)
 
     def release_gradients(self, grads: Mapping[str, np.ndarray], *, epoch: int
                           ) -> dict[str, np.ndarray]:
@@ -162,11 +175,19 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
         if saved is not None:
             ctx.epoch_seconds = list(saved.get("epoch_seconds", []))
             ctx.history = list(saved.get("history", []))
-        setup_inputs: dict[str, np.ndarray] = {"train_ids": train_ids}
+        setup_inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": table.ids}
         if ctx.ckks_context is not None:
             setup_inputs["ckks_context"] = np.frombuffer(ctx.ckks_context, dtype=np.uint8)
-        ctx.call(P.OP_SETUP, ids=np.empty(0, dtype=np.int64),
-                 args={"resume_epoch": start_epoch - 1}, inputs=setup_inputs, to=ctx.parties)
+        held = ctx.call(P.OP_SETUP, ids=np.empty(0, dtype=np.int64),
+                        args={"resume_epoch": start_epoch - 1}, inputs=setup_inputs,
+                        to=ctx.parties, collect=["present"])
+        ctx.set_presence({p: held[f"present@{p}"] for p in ctx.parties})
+        anyone = ctx.presence(table.ids).any(axis=1)
+        if not anyone.all():
+            logger.info("%d rows are held by no passive party and are dropped",
+                        int((~anyone).sum()))
+            train_ids = train_ids[ctx.presence(train_ids).any(axis=1)]
+            test_ids = test_ids[ctx.presence(test_ids).any(axis=1)]
         ctx._epoch_started = time.perf_counter()
         method.fit(ctx, train_ids=train_ids)
         test = method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}
@@ -192,10 +213,16 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
             **method.summary(),
         }
         write_metrics(run_dir, metrics)
+        method.report(run_dir, out)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in test.items() if isinstance(v, float))
         print(f"test: {shown}", file=out, flush=True)
         logger.info("finished; test metrics %s", test)
         return P.EXIT_OK
+    except P.RunAborted:
+        raise
+    except Exception as exc:
+        report_failure(conn, exc)
+        raise
     finally:
         conn.close()
 

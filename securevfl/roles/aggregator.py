@@ -185,6 +185,13 @@ class Aggregator:
             except (ContributionError, ValueError) as exc:
                 raise P.RunAborted(f"round {env.round}, sum {spec.key!r}: {exc}") from None
             shapes[spec.key] = list(party_shapes.pop())
+        # tensors a party sends to the active party in the clear (named "name@party")
+        for party, reply in replies.items():
+            for k, v in reply.tensors.items():
+                if "@" in k:
+                    if k.rsplit("@", 1)[1] != party:
+                        raise P.RunAborted(f"{party} sent {k!r}, which claims another sender")
+                    tensors[k] = v
         self.hub.send(self.active, Envelope(kind=P.RESULT, sender=AGGREGATOR, session=env.session,
                                             round=env.round, tensors=tensors,
                                             meta={"shapes": shapes}))
@@ -214,7 +221,7 @@ def run_aggregator(cfg: RunConfig, *, keys_dir: Any, bind: str, logger: logging.
     allow = Allowlist({r: public.curve_public(r) for r in cfg.role_names})
     hub = Hub(name=AGGREGATOR, bind=bind, keypair=secrets.curve, allowlist=allow, kinds=P.KINDS,
               heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-              logger=logger, context=context)
+              logger=logger, context=context, curve=not bind.startswith("inproc://"))
     logger.info("aggregator (pid %d) listening on %s", os.getpid(), hub.endpoint)
     if on_bound is not None:
         on_bound(hub.endpoint)

@@ -80,7 +80,9 @@ class PassiveParty:
             if resume_epoch >= 0:
                 self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
                 self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
-            return {}, {}
+            # which of the active party's rows this party holds (what a PSI would tell it)
+            present = self.method.table.has(inputs["all_ids"])
+            return {f"present@{self.name}": present}, {}
         if op == P.OP_CHECKPOINT:
             epoch = int(args["epoch"])
             save_checkpoint(self.run_dir, self.name, epoch, self.method.state_dict())
@@ -101,6 +103,8 @@ class PassiveParty:
             tensors.update(self.stage.protect(value, round=env.round, group=spec.group,
                                               key=spec.key))
             shapes[spec.key] = list(value.shape)
+        for name in env.meta.get("collect", []):
+            tensors[f"{name}@{self.name}"] = np.asarray(out[name])
         return tensors, shapes
 
 
@@ -119,5 +123,19 @@ def run_party(cfg: RunConfig, *, name: str, run_dir: Path, keys_dir: Path, data_
         PassiveParty(cfg=cfg, name=name, table=table, conn=conn, run_dir=run_dir, logger=logger,
                      device=device).run()
         return P.EXIT_OK
+    except P.RunAborted:
+        raise
+    except Exception as exc:
+        report_failure(conn, exc)
+        raise
     finally:
         conn.close()
+
+
+def report_failure(conn: RoleConnection, exc: BaseException) -> None:
+    """Tell the aggregator (and so everyone) that this role failed and why, best effort."""
+    try:
+        conn.send(Envelope(kind=P.ERROR, sender=conn.name, session=conn.session_hex or "",
+                           meta={"reason": f"{type(exc).__name__}: {exc}", "role": conn.name}))
+    except Exception as send_exc:  # the run is failing anyway; the log keeps both
+        conn.logger.warning("could not report the failure to the aggregator: %s", send_exc)

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-HELLO = "hello"
-WELCOME = "welcome"
+HELLO = "join"
+WELCOME = "session"
 CALL = "call"
 CONTRIB = "contrib"
 RESULT = "result"

@@ -1,0 +1,108 @@
+"""Benchmarks of the CKKS secure sum: encrypt (per party), add (aggregator), decrypt (key holder).
+
+n values per party in {1e3, 1e4, 1e5}; K parties in {2, 4, 8} for the aggregator's add (encrypt
+is per party and decrypt is of one summed ciphertext, so neither depends on K).
+
+Run the benchmarks::
+
+    .venv/bin/pytest bench/bench_ckks_sum.py --benchmark-columns=min,mean,max,rounds
+
+Or print the one-off measurements (chunk size, per-chunk timings)::
+
+    .venv/bin/python bench/bench_ckks_sum.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import tenseal as ts
+
+from crypto.ckks import CkksKeyHolder, CkksPublic, PackedCiphertexts
+
+SIZES = [1_000, 10_000, 100_000]
+PARTIES = [2, 4, 8]
+ROUNDS = 5
+
+
+@pytest.fixture(scope="module")
+def key_holder() -> CkksKeyHolder:
+    return CkksKeyHolder()
+
+
+@pytest.fixture(scope="module")
+def public(key_holder: CkksKeyHolder) -> CkksPublic:
+    return CkksPublic(context_bytes=key_holder.public_context_bytes())
+
+
+def _contributions(public: CkksPublic, n: int, k: int) -> list[PackedCiphertexts]:
+    rng = np.random.default_rng(n + k)
+    return [public.encrypt(rng.normal(size=n)) for _ in range(k)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_encrypt_per_party(benchmark, public: CkksPublic, n: int) -> None:
+    x = np.random.default_rng(n).normal(size=n)
+    packed = benchmark.pedantic(public.encrypt, args=(x,), rounds=ROUNDS, iterations=1)
+    benchmark.extra_info["chunks"] = len(packed.chunks)
+    benchmark.extra_info["bytes"] = sum(len(c) for c in packed.chunks)
+
+
+@pytest.mark.parametrize("k", PARTIES)
+@pytest.mark.parametrize("n", SIZES)
+def test_add_aggregator(benchmark, public: CkksPublic, n: int, k: int) -> None:
+    contributions = _contributions(public, n, k)
+    benchmark.pedantic(public.add, args=(contributions,), rounds=ROUNDS, iterations=1)
+    benchmark.extra_info["bytes_in"] = sum(len(c) for p in contributions for c in p.chunks)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_decrypt_key_holder(
+    benchmark, key_holder: CkksKeyHolder, public: CkksPublic, n: int
+) -> None:
+    # A sum is one ciphertext per chunk whatever K was, so decryption depends on n only.
+    total = public.add(_contributions(public, n, 2))
+    out = benchmark.pedantic(
+        key_holder.decrypt_sum, args=(total,), kwargs={"shape": (n,)}, rounds=ROUNDS, iterations=1
+    )
+    assert out.shape == (n,)
+
+
+def _best_of(fn: Callable[[], object], repeats: int = 20) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    """Print the one-off figures for the default parameters (one full 4096-slot chunk)."""
+    key_holder = CkksKeyHolder()
+    public = CkksPublic(context_bytes=key_holder.public_context_bytes())
+    x = np.random.default_rng(0).normal(size=public.slots)
+    a, b = public.encrypt(x), public.encrypt(x)
+    total = public.add([a, b])
+    public_context = ts.context_from(key_holder.public_context_bytes())
+    print(f"params: {public.params}")
+    print(f"public context: {len(key_holder.public_context_bytes())} bytes")
+    print(f"bytes per ciphertext chunk ({public.slots} values): {len(a.chunks[0])}")
+    print(f"encrypt {public.slots} values: {_best_of(lambda: public.encrypt(x)) * 1e3:.2f} ms")
+    print(
+        "add two chunks (load, add, serialize): "
+        f"{_best_of(lambda: public.add([a, b])) * 1e3:.2f} ms"
+    )
+    va, vb = (ts.ckks_vector_from(public_context, p.chunks[0]) for p in (a, b))
+    print(f"  of which homomorphic add_ alone: {_best_of(lambda: va.add_(vb)) * 1e6:.1f} us")
+    print(
+        f"decrypt one chunk (load, check, decrypt): "
+        f"{_best_of(lambda: key_holder.decrypt_sum(total, shape=(public.slots,))) * 1e3:.2f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,552 @@
+"""CKKS secure sum: the key holder decrypts sums, everyone else only encrypts or adds.
+
+Roles (DESIGN.md section 2, "ckks backend"):
+
+- :class:`CkksKeyHolder` (the active party) creates the CKKS context, keeps the secret key and
+  exports only the public part (public key and encryption parameters; no secret key, no
+  Galois keys, no relinearisation keys: sums need none).
+- :class:`CkksPublic` (passive parties and the aggregator) loads that public part. Parties
+  :meth:`~CkksPublic.encrypt` their contributions; the aggregator :meth:`~CkksPublic.add`\\ s
+  them. Neither can decrypt.
+- :class:`PackedCiphertexts` is what travels: one serialized CKKS vector per chunk of
+  ``slots`` values, each carried as one raw frame by the transport layer.
+
+Integrity. A CKKS ciphertext has no integrity protection: it is a pair of polynomials, and
+almost any change to its coefficients yields another valid ciphertext that decrypts to
+different numbers. Loading refuses what *can* be detected (unparsable or truncated bytes, a
+broken SEAL header, coefficients outside the modulus, another parameter set, the wrong
+number of values, the wrong scale or level, a transparent ciphertext) with :class:`CkksError`.
+It cannot detect a flipped bit inside the compressed coefficient data, nor a ciphertext made
+under another key with the same parameters: both decrypt to garbage. The integrity and
+authenticity of ciphertext content comes from the CurveZMQ channel (authenticated
+encryption between each peer and the hub), not from CKKS.
+
+Security of parameters. Parameter sets are checked against SEAL's table of the largest total
+coefficient-modulus size that keeps 128-bit classical security for a ternary secret key
+(HomomorphicEncryption.org standard, SEAL ``hestdparms.h``)::
+
+    poly_modulus_degree   max total coeff_mod_bit_sizes
+    1024                  27
+    2048                  54
+    4096                  109
+    8192                  218
+    16384                 438
+    32768                 881
+
+The public side re-checks the parameters of every context it receives, so a passive party
+never encrypts under a context weaker than that.
+
+This module uses TenSEAL and NumPy only; it knows nothing of ML or of the transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+import tenseal.sealapi  # noqa: F401  (registers SEAL types, e.g. Modulus, with pybind11)
+
+__all__ = [
+    "MAX_COEFF_MODULUS_BITS_128",
+    "CkksError",
+    "CkksKeyHolder",
+    "CkksParams",
+    "CkksPublic",
+    "DEFAULT_CKKS_PARAMS",
+    "PackedCiphertexts",
+    "context_fingerprint",
+]
+
+#: SEAL's 128-bit classical security table: poly_modulus_degree -> max total modulus bits.
+MAX_COEFF_MODULUS_BITS_128: dict[int, int] = {
+    1024: 27,
+    2048: 54,
+    4096: 109,
+    8192: 218,
+    16384: 438,
+    32768: 881,
+}
+
+# SEAL refuses primes outside [2, 60] bits (SEAL_USER_MOD_BIT_COUNT_MAX/MIN).
+_MAX_PRIME_BITS = 60
+# Below 20 bits of scale the decrypted sum loses the precision the protocols rely on.
+_MIN_SCALE_BITS = 20
+# Room for SEAL/protobuf headers on top of the raw ciphertext size.
+_CHUNK_OVERHEAD_BYTES = 4096
+
+
+class CkksError(ValueError):
+    """A CKKS input was refused: malformed, tampered, truncated, or from another context."""
+
+
+@dataclass(frozen=True)
+class CkksParams:
+    """CKKS encryption parameters; :meth:`validate` refuses anything below 128-bit security.
+
+    ``coeff_mod_bit_sizes`` is the prime chain: the first prime holds the decrypted value,
+    the middle primes are rescaling levels (unused by sums), the last is the special prime
+    used for key switching.
+    """
+
+    poly_modulus_degree: int = 8192
+    coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
+    scale_bits: int = 40
+
+    def validate(self) -> None:
+        """Raise :class:`ValueError` naming the field if the parameters are unusable or weak.
+
+        Refuses: a degree that is not a power of two in [1024, 32768]; fewer than two primes;
+        a prime outside [log2(2 * degree) + 1, 60] bits; a total modulus above SEAL's
+        128-bit limit for the degree (see :data:`MAX_COEFF_MODULUS_BITS_128`); a scale below
+        20 bits, above the smallest middle prime, or not below the first prime.
+        """
+        n = self.poly_modulus_degree
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"poly_modulus_degree must be an int, got {type(n).__name__}.")
+        if n not in MAX_COEFF_MODULUS_BITS_128:
+            raise ValueError(
+                f"poly_modulus_degree must be a power of two between 1024 and 32768, got {n}."
+            )
+        sizes = self.coeff_mod_bit_sizes
+        if not isinstance(sizes, tuple) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in sizes
+        ):
+            raise ValueError(
+                f"coeff_mod_bit_sizes must be a tuple of ints, got {sizes!r}; "
+                "use a tuple such as (60, 40, 40, 60)."
+            )
+        if len(sizes) < 2:
+            raise ValueError(
+                "coeff_mod_bit_sizes needs at least two primes (one data prime and the special "
+                f"prime), got {sizes!r}."
+            )
+        # A prime p = 1 mod 2n needs more bits than 2n itself.
+        min_prime_bits = int(math.log2(2 * n)) + 1
+        for i, bits in enumerate(sizes):
+            if not min_prime_bits <= bits <= _MAX_PRIME_BITS:
+                raise ValueError(
+                    f"coeff_mod_bit_sizes[{i}] = {bits} is outside [{min_prime_bits}, "
+                    f"{_MAX_PRIME_BITS}] bits, the range SEAL supports for "
+                    f"poly_modulus_degree {n}."
+                )
+        total, limit = sum(sizes), MAX_COEFF_MODULUS_BITS_128[n]
+        if total > limit:
+            raise ValueError(
+                f"coeff_mod_bit_sizes total {total} bits exceeds {limit}, the most SEAL allows "
+                f"for 128-bit security at poly_modulus_degree {n}; use fewer or smaller primes "
+                "or a larger poly_modulus_degree."
+            )
+        s = self.scale_bits
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"scale_bits must be an int, got {type(s).__name__}.")
+        if s < _MIN_SCALE_BITS:
+            raise ValueError(
+                f"scale_bits = {s} is below {_MIN_SCALE_BITS}; the decrypted sum would be too "
+                "imprecise."
+            )
+        middle = sizes[1:-1]
+        if middle and s > min(middle):
+            raise ValueError(
+                f"scale_bits = {s} exceeds the smallest middle prime of coeff_mod_bit_sizes "
+                f"({min(middle)} bits); make them equal, e.g. scale_bits = {min(middle)}."
+            )
+        if s >= sizes[0]:
+            raise ValueError(
+                f"scale_bits = {s} must be below the first prime of coeff_mod_bit_sizes "
+                f"({sizes[0]} bits), which must also hold the integer part of the sum."
+            )
+
+    @property
+    def slots(self) -> int:
+        """Number of real values one CKKS ciphertext carries."""
+        return self.poly_modulus_degree // 2
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """Upper bound on a serialized chunk; larger frames are refused before parsing."""
+        data_primes = len(self.coeff_mod_bit_sizes) - 1
+        return 2 * self.poly_modulus_degree * data_primes * 8 + _CHUNK_OVERHEAD_BYTES
+
+
+#: The design's default parameters: degree 8192, primes (60, 40, 40, 60), scale 2^40.
+DEFAULT_CKKS_PARAMS = CkksParams()
+
+
+@dataclass
+class PackedCiphertexts:
+    """A flattened array of ``length`` values as one serialized CKKS vector per chunk.
+
+    Chunk ``i`` holds values ``[i * slots, min((i + 1) * slots, length))``. This class only
+    carries bytes; :class:`CkksPublic` and :class:`CkksKeyHolder` check them on use.
+    """
+
+    chunks: list[bytes] = field(repr=False)
+    length: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 0:
+            raise CkksError(f"length must be a non-negative int, got {self.length!r}.")
+        if not isinstance(self.chunks, list) or not all(isinstance(c, bytes) for c in self.chunks):
+            raise CkksError("chunks must be a list of bytes objects (one per ciphertext).")
+
+    def __repr__(self) -> str:
+        size = sum(len(c) for c in self.chunks)
+        return f"PackedCiphertexts(length={self.length}, chunks={len(self.chunks)}, bytes={size})"
+
+    def to_frames(self) -> list[bytes]:
+        """The chunks as raw frames for the transport, in order (one frame per chunk)."""
+        return list(self.chunks)
+
+    @classmethod
+    def from_frames(
+        cls, frames: Sequence[bytes | bytearray | memoryview], *, length: int
+    ) -> PackedCiphertexts:
+        """Rebuild from raw frames (bytes-like, e.g. zero-copy buffers) and the value count.
+
+        Refuses with :class:`CkksError` a non-bytes frame, an empty frame, or a negative
+        length. Chunk counts and contents are checked where the slot count is known
+        (:meth:`CkksPublic.add`, :meth:`CkksKeyHolder.decrypt_sum`).
+        """
+        chunks: list[bytes] = []
+        for i, frame in enumerate(frames):
+            if not isinstance(frame, bytes | bytearray | memoryview):
+                raise CkksError(
+                    f"frame {i} is a {type(frame).__name__}, not bytes; CKKS chunks travel as "
+                    "raw byte frames."
+                )
+            data = bytes(frame)
+            if not data:
+                raise CkksError(f"frame {i} is empty; a CKKS chunk cannot be empty.")
+            chunks.append(data)
+        return cls(chunks=chunks, length=length)
+
+
+def context_fingerprint(context_bytes: bytes) -> str:
+    """Hex SHA-256 of an exported public context, for parties to compare out of band.
+
+    The hub forwards the public context; comparing fingerprints over an end-to-end
+    authenticated path is what stops a hub from substituting a key it can decrypt with.
+    """
+    return hashlib.sha256(context_bytes).hexdigest()
+
+
+def _num_chunks(length: int, slots: int) -> int:
+    return -(-length // slots)
+
+
+def _chunk_length(index: int, length: int, slots: int) -> int:
+    return min(slots, length - index * slots)
+
+
+def _params_of(context: ts.Context) -> CkksParams:
+    """Read the parameters a TenSEAL context was built with; refuse non-CKKS contexts."""
+    try:
+        parms = context.seal_context().data.key_context_data().parms()
+        scheme = parms.scheme().name
+        degree = int(parms.poly_modulus_degree())
+        sizes = tuple(int(m.bit_count()) for m in parms.coeff_modulus())
+        scale = float(context.global_scale)
+    except Exception as exc:  # TenSEAL raises several types for unset fields
+        raise CkksError(f"the context does not describe a usable CKKS setup ({exc}).") from exc
+    if scheme != "CKKS":
+        raise CkksError(f"the context uses the {scheme} scheme; a CKKS context is required.")
+    scale_bits = round(math.log2(scale)) if scale > 0 else 0
+    if scale <= 0 or scale != 2.0**scale_bits:
+        raise CkksError(f"the context's global scale {scale} is not a power of two.")
+    return CkksParams(poly_modulus_degree=degree, coeff_mod_bit_sizes=sizes, scale_bits=scale_bits)
+
+
+class _CkksCodec:
+    """Shared chunking, loading and checking of ciphertexts for one context."""
+
+    def __init__(self, context: ts.Context, params: CkksParams) -> None:
+        self._context = context
+        self._params = params
+        self._scale = 2.0**params.scale_bits
+        self._first_parms_id = context.seal_context().data.first_parms_id()
+
+    @property
+    def params(self) -> CkksParams:
+        """The parameters of this context."""
+        return self._params
+
+    @property
+    def slots(self) -> int:
+        """Values per ciphertext chunk."""
+        return self._params.slots
+
+    def check_layout(self, packed: PackedCiphertexts, *, what: str) -> None:
+        if not isinstance(packed, PackedCiphertexts):
+            raise CkksError(f"{what} is a {type(packed).__name__}, not PackedCiphertexts.")
+        expected = _num_chunks(packed.length, self.slots)
+        if len(packed.chunks) != expected:
+            raise CkksError(
+                f"{what} has {len(packed.chunks)} chunks but {packed.length} values need "
+                f"{expected} chunks of {self.slots} slots."
+            )
+
+    def load(self, data: bytes, *, expected_len: int | None, what: str) -> ts.CKKSVector:
+        """Deserialize one chunk and check everything that can be checked about it.
+
+        ``expected_len=None`` accepts any value count from 1 to ``slots``.
+        """
+        if not isinstance(data, bytes):
+            raise CkksError(f"{what} is a {type(data).__name__}, not bytes.")
+        if not data:
+            raise CkksError(f"{what} is empty.")
+        if len(data) > self._params.max_chunk_bytes:
+            raise CkksError(
+                f"{what} is {len(data)} bytes, more than the {self._params.max_chunk_bytes} a "
+                "ciphertext of these parameters can take."
+            )
+        try:
+            vector = ts.ckks_vector_from(self._context, data)
+            ciphertexts = vector.ciphertext()
+        except Exception as exc:  # TenSEAL/SEAL raise ValueError, RuntimeError, IndexError...
+            raise CkksError(
+                f"{what} is not a valid CKKS ciphertext for this context "
+                f"(truncated, corrupted or made with other parameters): {exc}."
+            ) from exc
+        if len(ciphertexts) != 1:
+            raise CkksError(
+                f"{what} holds {len(ciphertexts)} ciphertexts; each chunk must hold exactly one."
+            )
+        ct = ciphertexts[0]
+        size = vector.size()
+        if expected_len is None:
+            if not 1 <= size <= self.slots:
+                raise CkksError(f"{what} carries {size} values; 1 to {self.slots} were expected.")
+        elif size != expected_len:
+            raise CkksError(f"{what} carries {size} values; {expected_len} were expected.")
+        if ct.size() != 2:
+            raise CkksError(
+                f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
+            )
+        if ct.parms_id() != self._first_parms_id:
+            raise CkksError(f"{what} is not at the context's top modulus level.")
+        if ct.scale != self._scale:
+            raise CkksError(f"{what} has scale {ct.scale}, not 2^{self._params.scale_bits}.")
+        if ct.is_transparent():
+            raise CkksError(f"{what} is transparent (not encrypted).")
+        return vector
+
+    def load_all(self, packed: PackedCiphertexts, *, what: str) -> list[ts.CKKSVector]:
+        self.check_layout(packed, what=what)
+        return [
+            self.load(
+                chunk,
+                expected_len=_chunk_length(i, packed.length, self.slots),
+                what=f"{what} chunk {i}",
+            )
+            for i, chunk in enumerate(packed.chunks)
+        ]
+
+
+class CkksKeyHolder:
+    """The active party's side: owns the secret key and decrypts sums.
+
+    Creates a fresh key pair on construction. Only :meth:`public_context_bytes` ever leaves
+    this object; the secret key is never serialized by this class.
+    """
+
+    def __init__(self, *, params: CkksParams = DEFAULT_CKKS_PARAMS) -> None:
+        """Create a CKKS context for ``params``; refuses invalid or sub-128-bit parameters."""
+        if not isinstance(params, CkksParams):
+            raise TypeError(f"params must be CkksParams, got {type(params).__name__}.")
+        params.validate()
+        try:
+            context = ts.context(
+                ts.SCHEME_TYPE.CKKS,
+                poly_modulus_degree=params.poly_modulus_degree,
+                coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
+            )
+        except Exception as exc:  # e.g. SEAL finds no prime of a requested size
+            raise CkksError(f"SEAL refused the parameters {params}: {exc}.") from exc
+        context.global_scale = 2.0**params.scale_bits
+        self._context = context
+        self._codec = _CkksCodec(context, params)
+        self._public_bytes = context.serialize(
+            save_public_key=True,
+            save_secret_key=False,
+            save_galois_keys=False,
+            save_relin_keys=False,
+        )
+
+    @property
+    def params(self) -> CkksParams:
+        """The parameters of this key pair."""
+        return self._codec.params
+
+    @property
+    def slots(self) -> int:
+        """Values per ciphertext chunk."""
+        return self._codec.slots
+
+    @property
+    def context_fingerprint(self) -> str:
+        """SHA-256 of :meth:`public_context_bytes` (see :func:`context_fingerprint`)."""
+        return context_fingerprint(self._public_bytes)
+
+    def public_context_bytes(self) -> bytes:
+        """The public context: parameters, scale and public key only.
+
+        Promises: no secret key, no Galois keys, no relinearisation keys.
+        """
+        return self._public_bytes
+
+    def decrypt_sum(self, packed: PackedCiphertexts, *, shape: tuple[int, ...]) -> np.ndarray:
+        """Decrypt a (summed) packed ciphertext into a float64 array of ``shape``.
+
+        Refuses with :class:`CkksError`: a shape whose size differs from ``packed.length``,
+        a wrong chunk count, and any chunk that fails the checks of the module docstring.
+        Values carry CKKS noise (about 1e-7 absolute for the default parameters).
+        """
+        shape = tuple(shape)
+        if not all(isinstance(d, int | np.integer) and d >= 0 for d in shape):
+            raise CkksError(f"shape must be a tuple of non-negative ints, got {shape!r}.")
+        size = math.prod(shape)
+        if size != packed.length:
+            raise CkksError(
+                f"shape {shape} has {size} values but the ciphertexts carry {packed.length}."
+            )
+        vectors = self._codec.load_all(packed, what="sum")
+        out = np.empty(size, dtype=np.float64)
+        for i, vector in enumerate(vectors):
+            start = i * self.slots
+            values = vector.decrypt()
+            out[start : start + len(values)] = values
+        return out.reshape(shape)
+
+
+class CkksPublic:
+    """Parties' and aggregator's side: only the public context; can encrypt and add.
+
+    Refuses, with :class:`CkksError`, a context that carries a secret key, lacks a public
+    key, is not CKKS, or has parameters below 128-bit security. Cannot decrypt.
+    """
+
+    def __init__(self, *, context_bytes: bytes) -> None:
+        """Load the key holder's exported public context (see class docstring for refusals)."""
+        if not isinstance(context_bytes, bytes | bytearray | memoryview):
+            raise CkksError(
+                f"context_bytes is a {type(context_bytes).__name__}, not bytes; pass what "
+                "CkksKeyHolder.public_context_bytes() returned."
+            )
+        context_bytes = bytes(context_bytes)
+        try:
+            context = ts.context_from(context_bytes)
+        except Exception as exc:
+            raise CkksError(f"the context bytes could not be parsed: {exc}.") from exc
+        if context.has_secret_key():
+            raise CkksError(
+                "this context carries a secret key; the key holder must export only the "
+                "public part."
+            )
+        if not context.has_public_key():
+            raise CkksError("this context has no public key, so nothing can be encrypted.")
+        params = _params_of(context)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise CkksError(f"the received context is refused: {exc}") from exc
+        self._context = context
+        self._codec = _CkksCodec(context, params)
+        self._fingerprint = context_fingerprint(context_bytes)
+
+    @property
+    def params(self) -> CkksParams:
+        """The parameters read from the received context."""
+        return self._codec.params
+
+    @property
+    def slots(self) -> int:
+        """Values per ciphertext chunk."""
+        return self._codec.slots
+
+    @property
+    def context_fingerprint(self) -> str:
+        """SHA-256 of the context bytes this object was built from."""
+        return self._fingerprint
+
+    def packed_from_frames(
+        self, frames: Sequence[bytes | bytearray | memoryview]
+    ) -> PackedCiphertexts:
+        """Rebuild a contribution whose value count the receiver (the aggregator) does not know.
+
+        The length is read from the frames: ``slots`` per chunk, except the last chunk, which
+        is loaded and checked to learn its value count. That length is only the sender's
+        claim: :meth:`add` then checks every contributor against it, and the key holder checks
+        the sum against the true shape at decryption. Refuses what
+        :meth:`PackedCiphertexts.from_frames` refuses, and a last chunk that fails to load.
+        """
+        packed = PackedCiphertexts.from_frames(frames, length=0)
+        if not packed.chunks:
+            return packed
+        last = len(packed.chunks) - 1
+        vector = self._codec.load(packed.chunks[last], expected_len=None, what=f"chunk {last}")
+        packed.length = last * self.slots + vector.size()
+        return packed
+
+    def encrypt(self, x: Any) -> PackedCiphertexts:
+        """Encrypt an array: flattened (C order) into chunks of ``slots`` values each.
+
+        Refuses with :class:`CkksError` non-numeric or non-finite input and values too large
+        for the scale. An empty array gives zero chunks.
+        """
+        try:
+            flat = np.asarray(x, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise CkksError(f"cannot encrypt this input as float64 values: {exc}.") from exc
+        if not np.all(np.isfinite(flat)):
+            raise CkksError("cannot encrypt NaN or infinite values; check the contribution.")
+        chunks: list[bytes] = []
+        for start in range(0, flat.size, self.slots):
+            try:
+                vector = ts.ckks_vector(self._context, flat[start : start + self.slots])
+            except (ValueError, RuntimeError) as exc:  # "encoded values are too large"
+                raise CkksError(f"cannot encrypt values starting at index {start}: {exc}.") from exc
+            chunks.append(vector.serialize())
+        return PackedCiphertexts(chunks=chunks, length=int(flat.size))
+
+    def add(self, contributions: Sequence[PackedCiphertexts]) -> PackedCiphertexts:
+        """Homomorphic sum of the contributions, chunk by chunk.
+
+        Adds in place on the first contribution's vector and serializes once per chunk.
+        Refuses with :class:`CkksError`: no contributions, different lengths, wrong chunk
+        counts, and any chunk that fails the checks of the module docstring (naming the
+        contributor and chunk). The minimum group size is the caller's rule, not checked here.
+        """
+        contributions = list(contributions)
+        if not contributions:
+            raise CkksError("add needs at least one contribution, got none.")
+        length = contributions[0].length if isinstance(contributions[0], PackedCiphertexts) else 0
+        for k, packed in enumerate(contributions):
+            self._codec.check_layout(packed, what=f"contribution {k}")
+            if packed.length != length:
+                raise CkksError(
+                    f"contribution {k} carries {packed.length} values but contribution 0 "
+                    f"carries {length}; all contributions to one sum must have the same length."
+                )
+        chunks: list[bytes] = []
+        for i in range(_num_chunks(length, self.slots)):
+            expected_len = _chunk_length(i, length, self.slots)
+            total = self._codec.load(
+                contributions[0].chunks[i],
+                expected_len=expected_len,
+                what=f"contribution 0 chunk {i}",
+            )
+            for k in range(1, len(contributions)):
+                total.add_(
+                    self._codec.load(
+                        contributions[k].chunks[i],
+                        expected_len=expected_len,
+                        what=f"contribution {k} chunk {i}",
+                    )
+                )
+            chunks.append(total.serialize())
+        return PackedCiphertexts(chunks=chunks, length=length)

@@ -1,0 +1,183 @@
+"""Fixed-point encoding of floats into the ring Z_2^64 (NumPy uint64).
+
+A float ``x`` with ``|x| <= bound`` is encoded as ``round(x * 2**frac_bits)``, stored as an int64
+and reinterpreted as uint64 (two's complement), so that uint64 addition, which NumPy wraps
+modulo 2^64, is signed fixed-point addition. Values beyond ``bound`` are refused or clipped,
+never silently wrapped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["FixedPointEncoder", "FixedPointOverflow", "SumDidNotCancel", "ENCODE_CHUNK_WORDS"]
+
+# Work in chunks that stay in L2 cache: one float64 scratch chunk plus the output chunk.
+ENCODE_CHUNK_WORDS = 1 << 15
+
+_RING_SIGNED_MAX = (1 << 63) - 1
+_ON_OVERFLOW_MODES = ("raise", "clip")
+
+
+class FixedPointOverflow(ValueError):
+    """A value cannot be encoded: it is NaN/inf, or beyond the bound (in ``"raise"`` mode)."""
+
+
+class SumDidNotCancel(ValueError):
+    """A decoded sum lies outside ``terms * bound``: its masks did not cancel.
+
+    This is what a sum looks like when a contributor is missing or an extra one was added:
+    the uncancelled pairwise masks make the result a uniformly random ring element.
+    """
+
+
+class FixedPointEncoder:
+    """Owns the float <-> Z_2^64 mapping: scale ``2**frac_bits``, magnitude bound ``bound``.
+
+    Promises: ``decode(encode(x))`` differs from ``x`` by at most ``2**-(frac_bits + 1)`` per
+    element, and up to :meth:`max_terms` encoded values can be summed in the ring without
+    wrapping. Refuses: NaN and inf (always), ``|x| > bound`` (unless ``on_overflow="clip"``,
+    which clips to ``[-bound, bound]``), and configurations whose bound does not fit in the
+    ``63 - frac_bits`` integer bits of a signed 64-bit word.
+    """
+
+    def __init__(
+        self, *, frac_bits: int = 20, bound: float = 2.0**20, on_overflow: str = "raise"
+    ) -> None:
+        if isinstance(frac_bits, bool) or not isinstance(frac_bits, int):
+            raise TypeError(f"frac_bits must be an int, got {type(frac_bits).__name__}")
+        if not 0 <= frac_bits <= 62:
+            raise ValueError(f"frac_bits must be in [0, 62], got {frac_bits}")
+        bound = float(bound)
+        if not (math.isfinite(bound) and bound > 0):
+            raise ValueError(f"bound must be a positive finite float, got {bound!r}")
+        if on_overflow not in _ON_OVERFLOW_MODES:
+            raise ValueError(f"on_overflow must be 'raise' or 'clip', got {on_overflow!r}")
+        integer_bits = 63 - frac_bits
+        if bound >= 2.0**integer_bits:
+            raise ValueError(
+                f"bound {bound:g} does not fit the fixed-point format: with frac_bits={frac_bits} "
+                f"a signed 64-bit word keeps {integer_bits} integer bits, so |x| must stay below "
+                f"2**{integer_bits} = {2.0**integer_bits:g}; lower the bound or frac_bits"
+            )
+        self.frac_bits = frac_bits
+        self.bound = bound
+        self.on_overflow = on_overflow
+        self._scale = float(2.0**frac_bits)
+        self._inv_scale = float(2.0**-frac_bits)
+        # Largest |encoded integer| of one value; rounding never exceeds the ceiling.
+        self._bound_int = max(1, math.ceil(bound * self._scale))
+
+    def __repr__(self) -> str:
+        return (
+            f"FixedPointEncoder(frac_bits={self.frac_bits}, bound={self.bound!r}, "
+            f"on_overflow={self.on_overflow!r})"
+        )
+
+    @property
+    def resolution(self) -> float:
+        """The spacing of representable values, ``2**-frac_bits``."""
+        return self._inv_scale
+
+    def max_terms(self) -> int:
+        """How many values with ``|x| <= bound`` can be summed in the ring without wrapping."""
+        return _RING_SIGNED_MAX // self._bound_int
+
+    def encode(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Encode a real array as uint64 ring elements of the same shape.
+
+        ``out`` (optional) is a C-contiguous uint64 array of ``x.size`` elements to write into;
+        it is returned reshaped to ``x.shape``. Accepts floating and integer dtypes; refuses
+        others (TypeError). Raises :class:`FixedPointOverflow` for NaN/inf (in every mode) and
+        for ``|x| > bound`` in ``"raise"`` mode, naming the largest magnitude and the bound.
+        """
+        x = np.asarray(x)
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise TypeError(f"can only encode real numbers, got dtype {x.dtype}")
+        flat_in = x.reshape(-1)
+        if out is None:
+            out = np.empty(flat_in.size, dtype=np.uint64)
+        elif out.dtype != np.uint64 or out.size != flat_in.size or not out.flags.c_contiguous:
+            raise ValueError(
+                f"out must be a C-contiguous uint64 array of {flat_in.size} elements, got "
+                f"dtype {out.dtype}, size {out.size}"
+            )
+        flat_out = out.reshape(-1).view(np.int64)
+        scratch = np.empty(min(ENCODE_CHUNK_WORDS, flat_in.size), dtype=np.float64)
+        for start in range(0, flat_in.size, ENCODE_CHUNK_WORDS):
+            stop = min(start + ENCODE_CHUNK_WORDS, flat_in.size)
+            chunk = flat_in[start:stop]
+            if not self._encode_chunk(chunk, flat_out[start:stop], scratch[: stop - start]):
+                raise self._refusal(flat_in)
+        return out.reshape(x.shape)
+
+    def _encode_chunk(self, chunk: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> bool:
+        """Encode one chunk into ``out``; return False (writing nothing) if it must be refused."""
+        lo, hi = chunk.min(), chunk.max()
+        # The comparisons are False for NaN, so NaN falls into this branch too.
+        if not (lo >= -self.bound and hi <= self.bound):
+            if self.on_overflow == "raise" or not (np.isfinite(lo) and np.isfinite(hi)):
+                return False
+            np.clip(chunk, -self.bound, self.bound, out=scratch, dtype=np.float64)
+            np.multiply(scratch, self._scale, out=scratch)
+        else:
+            np.multiply(chunk, self._scale, out=scratch, dtype=np.float64)
+        np.rint(scratch, out=scratch)
+        np.copyto(out, scratch, casting="unsafe")
+        return True
+
+    def _refusal(self, x: np.ndarray) -> FixedPointOverflow:
+        """Describe why ``x`` (the whole input) cannot be encoded; only on the error path."""
+        as_float = x.astype(np.float64)
+        non_finite = int(np.count_nonzero(~np.isfinite(as_float)))
+        if non_finite:
+            return FixedPointOverflow(
+                f"cannot encode NaN or inf: the input holds {non_finite} non-finite value(s) "
+                f"out of {x.size}; fix the computation that produced them (clipping cannot)"
+            )
+        max_abs = float(np.max(np.abs(as_float)))
+        return FixedPointOverflow(
+            f"max |value| {max_abs:g} exceeds the fixed-point bound {self.bound:g}; raise the "
+            "clip bound (lower frac_bits if the bound then no longer fits), or clip the inputs "
+            "(on_overflow='clip')"
+        )
+
+    def check_terms(self, terms: int) -> None:
+        """Refuse a number of summands whose worst-case sum would wrap the ring."""
+        if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
+            raise ValueError(f"terms must be a positive int, got {terms!r}")
+        if terms > self.max_terms():
+            raise FixedPointOverflow(
+                f"a sum of {terms} values each bounded by {self.bound:g} can exceed the ring "
+                f"(at most {self.max_terms()} terms fit with frac_bits={self.frac_bits}); "
+                "lower the bound or frac_bits"
+            )
+
+    def decode(self, v: np.ndarray, *, terms: int = 1) -> np.ndarray:
+        """Decode uint64 ring elements (a sum of ``terms`` encoded values) to float64.
+
+        Raises :class:`SumDidNotCancel` if any element lies outside ``terms * bound`` (plus the
+        rounding slack of each term): such a value cannot be a sum of ``terms`` encodings, so
+        pairwise masks did not cancel. Refuses non-uint64 input (TypeError) and a ``terms``
+        whose worst-case sum would wrap the ring (:class:`FixedPointOverflow`).
+        """
+        v = np.asarray(v)
+        if v.dtype != np.uint64:
+            raise TypeError(f"decode expects uint64 ring elements, got dtype {v.dtype}")
+        self.check_terms(terms)
+        signed = v.view(np.int64)
+        limit = terms * self._bound_int
+        if signed.size:
+            lo, hi = int(signed.min()), int(signed.max())
+            if lo < -limit or hi > limit:
+                worst = max(abs(lo), abs(hi)) * self._inv_scale
+                raise SumDidNotCancel(
+                    f"decoded value of magnitude {worst:g} is outside terms * bound = "
+                    f"{terms} * {self.bound:g}: the masks did not cancel (a contributor is "
+                    "missing or an extra one was added), or terms is wrong"
+                )
+        result = signed.astype(np.float64)
+        np.multiply(result, self._inv_scale, out=result)
+        return result

@@ -1,0 +1,1 @@
+"""Baselines for missing blocks: local, standard-vfl, ensemble, combinatorial, plugvfl."""

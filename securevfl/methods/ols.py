@@ -1,0 +1,1 @@
+"""Comparators for VFEM: complete-case, mean-imputation and single-party OLS."""

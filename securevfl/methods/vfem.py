@@ -1,0 +1,1 @@
+"""VFEM: federated EM for linear regression with missing blocks."""

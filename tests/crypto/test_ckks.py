@@ -1,0 +1,461 @@
+"""Tests for the CKKS secure sum (crypto/ckks.py).
+
+Accuracy tolerance used throughout: max |decrypted - plaintext sum| <= 1e-5 * max(max |sum|, 1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import tenseal as ts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crypto.ckks import (
+    DEFAULT_CKKS_PARAMS,
+    MAX_COEFF_MODULUS_BITS_128,
+    CkksError,
+    CkksKeyHolder,
+    CkksParams,
+    CkksPublic,
+    PackedCiphertexts,
+    context_fingerprint,
+)
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def key_holder() -> CkksKeyHolder:
+    return CkksKeyHolder()
+
+
+@pytest.fixture(scope="module")
+def aggregator(key_holder: CkksKeyHolder) -> CkksPublic:
+    return CkksPublic(context_bytes=key_holder.public_context_bytes())
+
+
+@pytest.fixture(scope="module")
+def party(key_holder: CkksKeyHolder) -> CkksPublic:
+    return CkksPublic(context_bytes=key_holder.public_context_bytes())
+
+
+@pytest.fixture(scope="module")
+def one_chunk(party: CkksPublic) -> bytes:
+    x = np.random.default_rng(0).normal(size=party.slots)
+    return party.encrypt(x).chunks[0]
+
+
+def assert_close_to_sum(decrypted: np.ndarray, contributions: list[np.ndarray]) -> None:
+    expected = np.sum(contributions, axis=0)
+    assert decrypted.dtype == np.float64
+    assert decrypted.shape == expected.shape
+    if expected.size:
+        scale = max(float(np.max(np.abs(expected))), 1.0)
+        assert float(np.max(np.abs(decrypted - expected))) <= RTOL * scale
+
+
+def secure_sum(
+    key_holder: CkksKeyHolder,
+    party: CkksPublic,
+    aggregator: CkksPublic,
+    contributions: list[np.ndarray],
+) -> np.ndarray:
+    shape = contributions[0].shape
+    # Frames as the transport carries them, rebuilt on the receiving side.
+    sent = [
+        PackedCiphertexts.from_frames(party.encrypt(x).to_frames(), length=x.size)
+        for x in contributions
+    ]
+    total = aggregator.add(sent)
+    received = PackedCiphertexts.from_frames(total.to_frames(), length=total.length)
+    return key_holder.decrypt_sum(received, shape=shape)
+
+
+# --- the public side cannot decrypt -------------------------------------------------------
+
+
+def test_public_context_has_no_secret_galois_or_relin_keys(key_holder: CkksKeyHolder) -> None:
+    context = ts.context_from(key_holder.public_context_bytes())
+    assert not context.has_secret_key()
+    assert not context.is_private()
+    assert context.is_public()
+    assert context.has_public_key()
+    assert not context.has_galois_keys()
+    assert not context.has_relin_keys()
+
+
+def test_public_context_size_excludes_galois_keys(key_holder: CkksKeyHolder) -> None:
+    # Degree 8192: public key ~0.5 MB; relin keys add ~1.4 MB, Galois keys ~33 MB.
+    assert len(key_holder.public_context_bytes()) < 1_000_000
+
+
+def test_public_context_cannot_decrypt_a_ciphertext(
+    key_holder: CkksKeyHolder, one_chunk: bytes
+) -> None:
+    public_context = ts.context_from(key_holder.public_context_bytes())
+    vector = ts.ckks_vector_from(public_context, one_chunk)
+    with pytest.raises(ValueError, match="secret"):
+        vector.decrypt()
+
+
+def test_public_side_offers_no_decryption() -> None:
+    assert not any("decrypt" in name for name in dir(CkksPublic))
+
+
+def test_public_refuses_context_with_secret_key() -> None:
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
+    )
+    context.global_scale = 2.0**40
+    full = context.serialize(save_secret_key=True)
+    with pytest.raises(CkksError, match="carries a secret key"):
+        CkksPublic(context_bytes=full)
+
+
+def test_public_refuses_context_with_weak_scale() -> None:
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
+    )
+    context.global_scale = 2.0**10
+    with pytest.raises(CkksError, match="scale_bits"):
+        CkksPublic(context_bytes=context.serialize(save_secret_key=False))
+
+
+def test_public_refuses_bfv_context() -> None:
+    context = ts.context(ts.SCHEME_TYPE.BFV, poly_modulus_degree=4096, plain_modulus=1032193)
+    with pytest.raises(CkksError, match="CKKS"):
+        CkksPublic(context_bytes=context.serialize(save_secret_key=False))
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage" * 10, "text"])
+def test_public_refuses_garbage_context(data: object) -> None:
+    with pytest.raises(CkksError):
+        CkksPublic(context_bytes=data)  # type: ignore[arg-type]
+
+
+def test_public_refuses_truncated_context(key_holder: CkksKeyHolder) -> None:
+    data = key_holder.public_context_bytes()
+    with pytest.raises(CkksError, match="could not be parsed"):
+        CkksPublic(context_bytes=data[: len(data) // 2])
+
+
+def test_fingerprints_agree(key_holder: CkksKeyHolder, party: CkksPublic) -> None:
+    assert key_holder.context_fingerprint == party.context_fingerprint
+    assert party.context_fingerprint == context_fingerprint(key_holder.public_context_bytes())
+    assert party.params == key_holder.params == DEFAULT_CKKS_PARAMS
+
+
+# --- the sum is right ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "n_parties"),
+    [
+        ((1,), 2),
+        ((7, 3), 3),
+        ((4096,), 2),
+        ((4097,), 4),
+        ((2, 4096), 5),
+        ((3, 5000), 16),
+        ((12345,), 8),
+        ((0, 4), 2),
+    ],
+)
+def test_decrypted_sum_equals_plaintext_sum(
+    key_holder: CkksKeyHolder,
+    party: CkksPublic,
+    aggregator: CkksPublic,
+    shape: tuple[int, ...],
+    n_parties: int,
+) -> None:
+    rng = np.random.default_rng(math.prod(shape) + n_parties)
+    contributions = [rng.normal(scale=10.0, size=shape) for _ in range(n_parties)]
+    decrypted = secure_sum(key_holder, party, aggregator, contributions)
+    assert_close_to_sum(decrypted, contributions)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    n_parties=st.integers(2, 16),
+    magnitude=st.sampled_from([1e-3, 1.0, 1e3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_decrypted_sum_property(
+    key_holder: CkksKeyHolder,
+    party: CkksPublic,
+    aggregator: CkksPublic,
+    shape: list[int],
+    n_parties: int,
+    magnitude: float,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    contributions = [
+        rng.uniform(-magnitude, magnitude, size=tuple(shape)) for _ in range(n_parties)
+    ]
+    decrypted = secure_sum(key_holder, party, aggregator, contributions)
+    assert_close_to_sum(decrypted, contributions)
+
+
+def test_chunking_follows_slots(party: CkksPublic) -> None:
+    packed = party.encrypt(np.ones(2 * party.slots + 1))
+    assert party.slots == 4096
+    assert len(packed.chunks) == 3
+    assert packed.length == 2 * party.slots + 1
+    assert all(len(c) <= party.params.max_chunk_bytes for c in packed.chunks)
+
+
+def test_add_of_one_contribution_is_that_contribution(
+    key_holder: CkksKeyHolder, aggregator: CkksPublic
+) -> None:
+    x = np.linspace(-1.0, 1.0, 10)
+    total = aggregator.add([aggregator.encrypt(x)])
+    assert_close_to_sum(key_holder.decrypt_sum(total, shape=(10,)), [x])
+
+
+def test_from_frames_accepts_bytes_like(key_holder: CkksKeyHolder, party: CkksPublic) -> None:
+    x = np.arange(5.0)
+    frames = party.encrypt(x).to_frames()
+    packed = PackedCiphertexts.from_frames([memoryview(bytearray(f)) for f in frames], length=5)
+    assert_close_to_sum(key_holder.decrypt_sum(packed, shape=(5,)), [x])
+
+
+@pytest.mark.parametrize("length", [0, 1, 4096, 5000, 8192])
+def test_aggregator_learns_length_from_frames(
+    key_holder: CkksKeyHolder, party: CkksPublic, aggregator: CkksPublic, length: int
+) -> None:
+    xs = [np.full(length, float(k)) for k in range(1, 4)]
+    received = [aggregator.packed_from_frames(party.encrypt(x).to_frames()) for x in xs]
+    assert [p.length for p in received] == [length] * 3
+    assert_close_to_sum(key_holder.decrypt_sum(aggregator.add(received), shape=(length,)), xs)
+
+
+def test_aggregator_refuses_contributors_with_different_inferred_lengths(
+    party: CkksPublic, aggregator: CkksPublic
+) -> None:
+    a = aggregator.packed_from_frames(party.encrypt(np.ones(5000)).to_frames())
+    b = aggregator.packed_from_frames(party.encrypt(np.ones(4000)).to_frames())
+    with pytest.raises(CkksError, match="contribution 1 carries 4000 values"):
+        aggregator.add([a, b])
+
+
+def test_aggregator_refuses_garbage_last_frame(aggregator: CkksPublic, one_chunk: bytes) -> None:
+    with pytest.raises(CkksError, match="chunk 1 is not a valid CKKS ciphertext"):
+        aggregator.packed_from_frames([one_chunk, b"garbage"])
+
+
+# --- malformed, tampered, truncated input ----------------------------------------------------
+
+
+def test_encrypt_refuses_non_finite(party: CkksPublic) -> None:
+    with pytest.raises(CkksError, match="NaN or infinite"):
+        party.encrypt(np.array([1.0, np.nan]))
+
+
+def test_encrypt_refuses_values_too_large_for_scale(party: CkksPublic) -> None:
+    with pytest.raises(CkksError, match="too large"):
+        party.encrypt(np.array([1e30]))
+
+
+@pytest.mark.parametrize("keep", [1, 10, 40, 1000, -1, -20])
+def test_truncated_chunk_is_refused(aggregator: CkksPublic, one_chunk: bytes, keep: int) -> None:
+    cut = one_chunk[:keep]
+    packed = PackedCiphertexts(chunks=[cut], length=aggregator.slots)
+    with pytest.raises(CkksError, match="not a valid CKKS ciphertext"):
+        aggregator.add([packed, packed])
+
+
+@pytest.mark.parametrize("size", [1, 16, 4096, 331_000])
+def test_garbage_chunk_is_refused(aggregator: CkksPublic, one_chunk: bytes, size: int) -> None:
+    garbage = np.random.default_rng(size).bytes(size)
+    good = PackedCiphertexts(chunks=[one_chunk], length=aggregator.slots)
+    bad = PackedCiphertexts(chunks=[garbage], length=aggregator.slots)
+    with pytest.raises(CkksError, match="contribution 1 chunk 0 is not a valid CKKS ciphertext"):
+        aggregator.add([good, bad])
+
+
+def test_oversized_chunk_is_refused_before_parsing(aggregator: CkksPublic) -> None:
+    huge = b"\0" * (aggregator.params.max_chunk_bytes + 1)
+    with pytest.raises(CkksError, match="more than the"):
+        aggregator.add([PackedCiphertexts(chunks=[huge], length=1)])
+
+
+def test_empty_frame_is_refused() -> None:
+    with pytest.raises(CkksError, match="empty"):
+        PackedCiphertexts.from_frames([b""], length=1)
+
+
+def test_non_bytes_frame_is_refused() -> None:
+    with pytest.raises(CkksError, match="not bytes"):
+        PackedCiphertexts.from_frames(["abc"], length=1)  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("position", [8, 9, 11, 16, 20, 30])
+def test_flipped_seal_header_byte_is_refused(
+    aggregator: CkksPublic, one_chunk: bytes, position: int
+) -> None:
+    tampered = bytearray(one_chunk)
+    tampered[position] ^= 0x01
+    packed = PackedCiphertexts(chunks=[bytes(tampered)], length=aggregator.slots)
+    with pytest.raises(CkksError):
+        aggregator.add([packed])
+
+
+def test_tampered_value_count_is_refused(aggregator: CkksPublic, one_chunk: bytes) -> None:
+    # Byte 2 is inside the protobuf varint holding the vector size (4096).
+    tampered = bytearray(one_chunk)
+    tampered[2] ^= 0x10
+    packed = PackedCiphertexts(chunks=[bytes(tampered)], length=aggregator.slots)
+    with pytest.raises(CkksError, match="values; 4096 were expected"):
+        aggregator.add([packed])
+
+
+def test_any_flipped_byte_raises_ckks_error_or_loads(
+    key_holder: CkksKeyHolder, aggregator: CkksPublic, one_chunk: bytes
+) -> None:
+    # CKKS has no integrity: a flip in the coefficient data often loads and decrypts to
+    # garbage. The promise is only that nothing but CkksError escapes (integrity comes from
+    # CurveZMQ). Positions: the whole header, the tail, and a sample of the body.
+    rng = np.random.default_rng(1)
+    body = rng.choice(np.arange(40, len(one_chunk) - 12), size=40, replace=False)
+    positions = [*range(40), *range(len(one_chunk) - 12, len(one_chunk)), *body.tolist()]
+    outcomes = {"refused": 0, "loaded": 0}
+    for position in positions:
+        tampered = bytearray(one_chunk)
+        tampered[position] ^= 1 << int(rng.integers(8))
+        packed = PackedCiphertexts(chunks=[bytes(tampered)], length=aggregator.slots)
+        try:
+            key_holder.decrypt_sum(aggregator.add([packed]), shape=(aggregator.slots,))
+        except CkksError:
+            outcomes["refused"] += 1
+        else:
+            outcomes["loaded"] += 1
+    assert outcomes["refused"] > 0
+    assert outcomes["loaded"] > 0  # documents the limit of what CKKS can detect
+
+
+def test_chunk_from_other_parameters_is_refused(aggregator: CkksPublic) -> None:
+    other = CkksKeyHolder(params=CkksParams(coeff_mod_bit_sizes=(60, 40, 60)))
+    chunk = CkksPublic(context_bytes=other.public_context_bytes()).encrypt(np.ones(3)).chunks[0]
+    with pytest.raises(CkksError, match="made with other parameters"):
+        aggregator.add([PackedCiphertexts(chunks=[chunk], length=3)])
+
+
+def test_mismatched_chunk_counts_are_refused(aggregator: CkksPublic) -> None:
+    full = aggregator.encrypt(np.ones(5000))
+    short = PackedCiphertexts(chunks=full.chunks[:1], length=5000)
+    with pytest.raises(CkksError, match="contribution 1 has 1 chunks but 5000 values need 2"):
+        aggregator.add([full, short])
+
+
+def test_mismatched_lengths_are_refused(aggregator: CkksPublic) -> None:
+    with pytest.raises(CkksError, match="contribution 1 carries 4 values"):
+        aggregator.add([aggregator.encrypt(np.ones(3)), aggregator.encrypt(np.ones(4))])
+
+
+def test_claimed_length_must_match_chunk_content(aggregator: CkksPublic) -> None:
+    packed = aggregator.encrypt(np.ones(10))
+    lying = PackedCiphertexts(chunks=packed.chunks, length=9)
+    with pytest.raises(CkksError, match="carries 10 values; 9 were expected"):
+        aggregator.add([lying])
+
+
+def test_add_refuses_no_contributions(aggregator: CkksPublic) -> None:
+    with pytest.raises(CkksError, match="at least one"):
+        aggregator.add([])
+
+
+def test_decrypt_refuses_wrong_shape(key_holder: CkksKeyHolder, party: CkksPublic) -> None:
+    packed = party.encrypt(np.ones(6))
+    with pytest.raises(CkksError, match=r"shape \(4,\) has 4 values"):
+        key_holder.decrypt_sum(packed, shape=(4,))
+
+
+def test_decrypt_refuses_wrong_chunk_count(key_holder: CkksKeyHolder, party: CkksPublic) -> None:
+    packed = party.encrypt(np.ones(6))
+    with pytest.raises(CkksError, match="chunks"):
+        key_holder.decrypt_sum(PackedCiphertexts(chunks=packed.chunks * 2, length=6), shape=(6,))
+
+
+def test_packed_refuses_negative_length() -> None:
+    with pytest.raises(CkksError, match="length"):
+        PackedCiphertexts(chunks=[], length=-1)
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "detail"),
+    [
+        ({"poly_modulus_degree": 1000}, "poly_modulus_degree", "power of two"),
+        ({"poly_modulus_degree": 65536}, "poly_modulus_degree", "power of two"),
+        ({"poly_modulus_degree": 8192.0}, "poly_modulus_degree", "must be an int"),
+        ({"poly_modulus_degree": 4096}, "coeff_mod_bit_sizes", "exceeds 109"),
+        ({"coeff_mod_bit_sizes": (60, 60, 60, 60)}, "coeff_mod_bit_sizes", "exceeds 218"),
+        ({"coeff_mod_bit_sizes": [60, 40, 40, 60]}, "coeff_mod_bit_sizes", "tuple"),
+        ({"coeff_mod_bit_sizes": (60,)}, "coeff_mod_bit_sizes", "at least two"),
+        ({"coeff_mod_bit_sizes": (61, 40, 60)}, "coeff_mod_bit_sizes[0]", "outside"),
+        ({"coeff_mod_bit_sizes": (60, 10, 60)}, "coeff_mod_bit_sizes[1]", "outside"),
+        ({"scale_bits": 50}, "scale_bits", "smallest middle prime"),
+        ({"scale_bits": 10}, "scale_bits", "below 20"),
+        ({"scale_bits": 40.0}, "scale_bits", "must be an int"),
+        ({"coeff_mod_bit_sizes": (40, 60), "scale_bits": 40}, "scale_bits", "first prime"),
+    ],
+)
+def test_params_validation_names_the_field(kwargs: dict, field: str, detail: str) -> None:
+    params = CkksParams(**kwargs)
+    with pytest.raises(ValueError, match="^" + re.escape(field)):
+        params.validate()
+    with pytest.raises(ValueError, match=detail):
+        params.validate()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        CkksParams(),
+        CkksParams(poly_modulus_degree=4096, coeff_mod_bit_sizes=(40, 20, 40), scale_bits=20),
+        CkksParams(
+            poly_modulus_degree=16384, coeff_mod_bit_sizes=(60, 50, 50, 50, 60), scale_bits=50
+        ),
+        CkksParams(poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 60), scale_bits=40),
+    ],
+)
+def test_valid_params_pass(params: CkksParams) -> None:
+    params.validate()
+    assert params.slots == params.poly_modulus_degree // 2
+
+
+def test_key_holder_refuses_weak_params() -> None:
+    with pytest.raises(ValueError, match="coeff_mod_bit_sizes total 200 bits exceeds 109"):
+        CkksKeyHolder(params=CkksParams(poly_modulus_degree=4096))
+
+
+def _sizes_totalling(total: int) -> list[int]:
+    sizes = [60] * (total // 60)
+    rest = total - sum(sizes)
+    if rest:  # keep every prime >= 30 bits so SEAL can find one
+        sizes[-1] -= 30 - rest if rest < 30 else 0
+        sizes.append(max(rest, 30))
+    assert sum(sizes) == total
+    return sizes
+
+
+@pytest.mark.parametrize("degree", [4096, 8192, 16384])
+def test_security_table_agrees_with_seal(degree: int) -> None:
+    limit = MAX_COEFF_MODULUS_BITS_128[degree]
+    ts.context(
+        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=degree, coeff_mod_bit_sizes=_sizes_totalling(limit)
+    )
+    with pytest.raises(ValueError):  # SEAL itself refuses one bit more at 128-bit security
+        ts.context(
+            ts.SCHEME_TYPE.CKKS,
+            poly_modulus_degree=degree,
+            coeff_mod_bit_sizes=_sizes_totalling(limit + 1),
+        )

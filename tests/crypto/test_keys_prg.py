@@ -1,0 +1,189 @@
+"""X25519 masking keys, pair-key agreement, stream keys and the AES-CTR keystream."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import hmac
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from crypto.keys import MaskingKeyPair, pair_key
+from crypto.prg import KEYSTREAM_CHUNK_WORDS, Keystream, keystream_uint64, stream_key
+
+CRYPTO_DIR = pathlib.Path(__file__).resolve().parents[2] / "crypto"
+
+
+def _pair(keys: dict[str, MaskingKeyPair], me: str, peer: str, session: bytes = b"s1") -> bytes:
+    return pair_key(
+        my_private=keys[me].private,
+        peer_public=keys[peer].public,
+        session=session,
+        me=me,
+        peer=peer,
+    )
+
+
+@pytest.fixture(scope="module")
+def keys() -> dict[str, MaskingKeyPair]:
+    return {name: MaskingKeyPair.generate() for name in ("alice", "bob", "carol")}
+
+
+def test_generated_key_pair_is_x25519_from_cryptography() -> None:
+    keypair = MaskingKeyPair.generate()
+    assert len(keypair.private) == 32 and len(keypair.public) == 32
+    derived = X25519PrivateKey.from_private_bytes(keypair.private).public_key()
+    assert derived.public_bytes_raw() == keypair.public
+    assert MaskingKeyPair.generate().private != keypair.private
+
+
+def test_key_pair_json_round_trip() -> None:
+    keypair = MaskingKeyPair.generate()
+    as_json = keypair.to_json()
+    assert as_json == {"private": keypair.private.hex(), "public": keypair.public.hex()}
+    assert MaskingKeyPair.from_json(as_json) == keypair
+
+
+def test_key_pair_refuses_mismatched_halves_bad_hex_and_missing_fields() -> None:
+    one, other = MaskingKeyPair.generate(), MaskingKeyPair.generate()
+    with pytest.raises(ValueError, match="does not match"):
+        MaskingKeyPair.from_json({"private": one.private.hex(), "public": other.public.hex()})
+    with pytest.raises(ValueError, match="non-hex"):
+        MaskingKeyPair.from_json({"private": "zz", "public": one.public.hex()})
+    with pytest.raises(ValueError, match="lacks the field"):
+        MaskingKeyPair.from_json({"public": one.public.hex()})
+    with pytest.raises(ValueError, match="32 raw bytes"):
+        MaskingKeyPair(private=one.private[:31], public=one.public)
+
+
+def test_key_pair_repr_hides_the_private_key() -> None:
+    keypair = MaskingKeyPair.generate()
+    assert keypair.private.hex() not in repr(keypair)
+    assert str(keypair.private) not in repr(keypair)
+
+
+def test_pair_key_is_symmetric(keys: dict[str, MaskingKeyPair]) -> None:
+    forward = _pair(keys, "alice", "bob")
+    assert len(forward) == 32
+    assert forward == _pair(keys, "bob", "alice")
+
+
+def test_pair_key_differs_by_session_and_by_pair(keys: dict[str, MaskingKeyPair]) -> None:
+    derived = {
+        _pair(keys, "alice", "bob", b"s1"),
+        _pair(keys, "alice", "bob", b"s2"),
+        _pair(keys, "alice", "carol", b"s1"),
+        _pair(keys, "bob", "carol", b"s1"),
+    }
+    assert len(derived) == 4
+
+
+def test_pair_key_binds_the_party_names(keys: dict[str, MaskingKeyPair]) -> None:
+    same_secret_other_names = pair_key(
+        my_private=keys["alice"].private,
+        peer_public=keys["bob"].public,
+        session=b"s1",
+        me="alice",
+        peer="mallory",
+    )
+    assert same_secret_other_names != _pair(keys, "alice", "bob")
+
+
+def test_pair_key_refusals(keys: dict[str, MaskingKeyPair]) -> None:
+    good = {
+        "my_private": keys["alice"].private,
+        "peer_public": keys["bob"].public,
+        "session": b"s1",
+        "me": "alice",
+        "peer": "bob",
+    }
+    with pytest.raises(ValueError, match="with itself"):
+        pair_key(**{**good, "peer": "alice"})
+    with pytest.raises(ValueError, match="session"):
+        pair_key(**{**good, "session": b""})
+    with pytest.raises(ValueError, match="my_private must be 32"):
+        pair_key(**{**good, "my_private": b"\x01" * 31})
+    with pytest.raises(ValueError, match="peer_public must be 32"):
+        pair_key(**{**good, "peer_public": b"\x01" * 33})
+    with pytest.raises(ValueError, match="pinned for 'bob' is a low-order point"):
+        pair_key(**{**good, "peer_public": bytes(32)})
+
+
+def test_stream_key_is_truncated_hmac_and_separates_domains() -> None:
+    key = bytes(range(32))
+    assert stream_key(pair_key=key, domain=b"d1") == hmac.digest(key, b"d1", "sha256")[:16]
+    assert stream_key(pair_key=key, domain=b"d1") != stream_key(pair_key=key, domain=b"d2")
+    with pytest.raises(ValueError, match="32 bytes"):
+        stream_key(pair_key=key[:16], domain=b"d1")
+    with pytest.raises(ValueError, match="non-empty"):
+        stream_key(pair_key=key, domain=b"")
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, KEYSTREAM_CHUNK_WORDS, 2 * KEYSTREAM_CHUNK_WORDS + 7])
+def test_keystream_is_aes128_ctr_from_counter_block_zero(n: int) -> None:
+    key = hashlib.sha256(b"k").digest()[:16]
+    reference = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(8 * n))
+    words = keystream_uint64(key, n)
+    assert words.dtype == np.uint64 and words.shape == (n,)
+    assert words.tobytes() == reference
+
+
+def test_keystream_writes_into_out_without_reallocating() -> None:
+    key = bytes(16)
+    out = np.zeros(1000, dtype=np.uint64)
+    result = keystream_uint64(key, 1000, out=out)
+    assert result is out
+    assert np.array_equal(out, keystream_uint64(key, 1000))
+    with pytest.raises(ValueError, match="expected n=999"):
+        keystream_uint64(key, 999, out=out)
+    with pytest.raises(ValueError, match="uint64"):
+        keystream_uint64(key, 1000, out=np.zeros(1000, dtype=np.int64))
+
+
+def test_keystream_fill_continues_the_stream() -> None:
+    key = bytes(range(16))
+    stream = Keystream(key)
+    pieces = [np.empty(size, dtype=np.uint64) for size in (5, KEYSTREAM_CHUNK_WORDS, 11)]
+    for piece in pieces:
+        stream.fill(piece)
+    expected = keystream_uint64(key, sum(piece.size for piece in pieces))
+    assert np.array_equal(np.concatenate(pieces), expected)
+
+
+def test_keystream_is_deterministic_per_key_and_refuses_bad_keys() -> None:
+    assert np.array_equal(keystream_uint64(b"a" * 16, 64), keystream_uint64(b"a" * 16, 64))
+    assert not np.array_equal(keystream_uint64(b"a" * 16, 64), keystream_uint64(b"b" * 16, 64))
+    with pytest.raises(ValueError, match="16 bytes"):
+        keystream_uint64(b"a" * 32, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        keystream_uint64(b"a" * 16, -1)
+
+
+def test_crypto_never_uses_non_cryptographic_randomness() -> None:
+    for source_file in CRYPTO_DIR.glob("*.py"):
+        tree = ast.parse(source_file.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "random":
+                pytest.fail(f"{source_file.name} uses .random (line {node.lineno})")
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                module = getattr(node, "module", None) or ""
+                names = [alias.name for alias in node.names]
+                assert "random" not in [module, *names], f"{source_file.name} imports random"
+                assert "numpy.random" not in [module, *names], source_file.name
+
+
+def test_importing_crypto_pulls_in_no_ml_transport_or_engine_modules() -> None:
+    probe = (
+        "import sys, crypto, crypto.masking; "
+        "bad = [m for m in ('torch', 'zmq', 'transport', 'securevfl', 'crypto.ckks') "
+        "if m in sys.modules]; print(bad)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,171 @@
+"""End to end: real OS processes over ZeroMQ with CURVE, the way `securevfl run` starts them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from securevfl.demo import prepare_demo
+from tests.securevfl.conftest import securevfl_cli, write_toml
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """The embedded demo, trained once with plain and once with mask (same seed)."""
+    out = {}
+    for aggregation in ("plain", "mask"):
+        d = tmp_path_factory.mktemp(f"demo-{aggregation}")
+        config = prepare_demo(d, aggregation=aggregation)
+        done = securevfl_cli("run", str(config), "--out", str(d / "run"))
+        assert done.returncode == 0, done.stderr
+        out[aggregation] = (json.loads((d / "run" / "metrics.json").read_text()), done, d)
+    return out
+
+
+def test_demo_mask_meets_the_quality_floor(demo_runs):
+    metrics, done, _ = demo_runs["mask"]
+    assert metrics["aggregation"] == "mask"
+    assert metrics["test"]["accuracy"] >= 0.93
+    assert metrics["test"]["roc_auc"] >= 0.97
+    assert "epoch 1/" in done.stdout and "test:" in done.stdout
+
+
+def test_plain_and_mask_give_the_same_metrics(demo_runs):
+    plain = demo_runs["plain"][0]["test"]
+    mask = demo_runs["mask"][0]["test"]
+    for key in ("accuracy", "f1", "roc_auc"):
+        assert abs(plain[key] - mask[key]) <= 0.005, (key, plain[key], mask[key])
+
+
+def test_every_role_is_its_own_process_and_reports_bytes(demo_runs):
+    metrics = demo_runs["mask"][0]
+    roles = metrics["roles"]
+    assert set(roles) == {"aggregator", "active", "mean", "error", "worst"}
+    pids = {r["pid"] for r in roles.values()}
+    assert len(pids) == 5 and os.getpid() not in pids
+    for r in roles.values():
+        assert r["bytes_sent"] > 0 and r["bytes_received"] > 0
+    assert len(metrics["epoch_seconds"]) == 20 and metrics["wall_seconds"] > 0
+    # masked contributions are 8-byte ring elements: a party sends about twice plain's float32
+    plain_sent = demo_runs["plain"][0]["roles"]["mean"]["bytes_sent"]
+    assert roles["mean"]["bytes_sent"] > 1.5 * plain_sent
+
+
+def test_each_party_reads_only_its_own_file(demo_runs):
+    _, _, d = demo_runs["mask"]
+    header = (d / "run" / "data" / "mean.csv").read_text().splitlines()[0].split(",")
+    assert header[0] == "ID" and all(h.startswith("mean_") for h in header[1:])
+    assert "Y" not in header
+    log = (d / "run" / "logs" / "mean.log").read_text()
+    assert "columns ['mean_radius'" in log
+
+
+def test_checkpoints_written_per_role_each_epoch(demo_runs):
+    _, _, d = demo_runs["mask"]
+    for role in ("active", "mean", "error", "worst"):
+        files = sorted((d / "run" / "checkpoints" / role).glob("epoch_*.pt"))
+        assert files and files[-1].name == "epoch_0019.pt"
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"run": {"method": "magic"}}, "[run] method: unknown value 'magic'"),
+        ({"parties": {"alpha": {"columns": ["X1", "NOPE"]}}}, "no column 'NOPE'"),
+        ({"train": {"epochs": "many"}}, "[train] epochs: must be an integer"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_problem(small_federation, edit, words):
+    raw, d = small_federation
+    for section, values in edit.items():
+        if section == "parties":
+            raw["parties"].update(values)
+        else:
+            raw[section].update(values)
+    config = write_toml(raw, d / "config.toml")
+    done = securevfl_cli("run", str(config), "--out", str(d / "run"), timeout=60)
+    assert done.returncode == 2
+    assert words in done.stderr
+
+
+def test_killed_party_stops_everyone_then_resume_finishes(small_federation):
+    raw, d = small_federation
+    raw["train"].update({"epochs": 30, "batch_size": 16})
+    config = write_toml(raw, d / "config.toml")
+    run_dir = d / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "securevfl", "run", str(config), "--out",
+                             str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "active" / "epoch_0001.pt").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "training never reached epoch 2"
+            time.sleep(0.1)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(pids["beta"], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 4, stderr
+    assert "'beta'" in stderr and "lost" in stderr
+    # the peer timeout is 3 s: everyone stops well within the deadline, nobody hangs
+    assert stopped_after < 30
+    for role in ("aggregator", "active", "alpha", "gamma"):
+        pid = pids[role]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (run_dir / "metrics.json").exists()
+
+    resumed = securevfl_cli("run", str(config), "--out", str(run_dir), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after epoch" in resumed.stdout
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert len(metrics["history"]) == 30
+    assert metrics["test"]["accuracy"] > 0.7
+
+
+def test_party_with_unknown_key_is_refused_and_logged(small_federation):
+    raw, d = small_federation
+    raw["network"].update({"startup_timeout": 4.0})
+    config = write_toml(raw, d / "config.toml")
+    keys = d / "keys"
+    assert securevfl_cli("keys", "--config", str(config), "--out", str(keys)).returncode == 0
+    rogue = d / "rogue-keys"
+    assert securevfl_cli("keys", "--config", str(config), "--out", str(rogue)).returncode == 0
+    # the rogue party pins the real aggregator key but presents its own, unlisted key
+    public = json.loads((keys / "public.json").read_text())
+    rogue_public = json.loads((rogue / "public.json").read_text())
+    rogue_public["roles"]["aggregator"] = public["roles"]["aggregator"]
+    (rogue / "public.json").write_text(json.dumps(rogue_public))
+    port = 20000 + os.getpid() % 20000
+    address = f"tcp://127.0.0.1:{port}"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agg = subprocess.Popen([sys.executable, "-m", "securevfl", "aggregator", "--config",
+                            str(config), "--out", str(d / "agg"), "--keys", str(keys), "--bind",
+                            address], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        party = securevfl_cli("party", "--config", str(config), "--name", "alpha", "--out",
+                              str(d / "alpha"), "--keys", str(rogue), "--address", address,
+                              "--data", str(d / "data.csv"), timeout=60)
+        agg_err = agg.communicate(timeout=60)[1]
+    finally:
+        if agg.poll() is None:
+            agg.kill()
+    assert party.returncode != 0
+    assert "nothing arrived" in party.stderr or "aggregator" in party.stderr
+    log = (d / "agg" / "logs" / "aggregator.log").read_text()
+    assert "not in the federation allowlist" in log
+    assert agg.returncode != 0 and "did not connect" in agg_err

@@ -1,0 +1,401 @@
+"""Envelopes: one msgpack header frame followed by one raw frame per tensor.
+
+The header is a msgpack map with exactly these fields::
+
+    {"version": 1, "kind": str, "sender": str, "session": str, "round": int, "seq": int,
+     "meta": {str: plain data}, "tensors": [{"name": str, "dtype": str, "shape": [int, ...]}]}
+
+Tensor frames hold the C-order, little-endian bytes of each array, in descriptor order.
+Nothing on the wire is ever unpickled: the header is msgpack without extension types and
+tensors are rebuilt with ``np.frombuffer`` from a dtype allowlist.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "uint64", "uint8", "bool"})
+
+HEADER_FIELDS = frozenset(
+    {"version", "kind", "sender", "session", "round", "seq", "meta", "tensors"}
+)
+DESCRIPTOR_FIELDS = frozenset({"name", "dtype", "shape"})
+MAX_NAME_CHARS = 255
+MAX_META_DEPTH = 32
+_MAX_UINT64 = 2**64 - 1
+_MAX_INT64 = 2**63 - 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class EnvelopeError(ValueError):
+    """An envelope is malformed or breaks a limit; ``reason`` is a sentence saying what."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass
+class Envelope:
+    """One message: a kind, its sender, the session and round it belongs to, tensors, meta.
+
+    ``meta`` holds plain data only (str, int, float, bool, None, bytes, lists/tuples and
+    dicts with str keys); tuples arrive as lists. ``seq`` is set by the sending socket
+    wrapper and strictly increases per socket; receivers reject replays with it.
+    """
+
+    kind: str
+    sender: str
+    session: str = ""
+    round: int = 0
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Receive limits; a message beyond any of them is rejected, never half-read."""
+
+    max_message_bytes: int = 512 * 2**20
+    max_header_bytes: int = 1 * 2**20
+    max_tensors: int = 256
+    max_ndim: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_header_bytes", "max_tensors", "max_ndim"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+
+    @property
+    def hard_frame_cap(self) -> int:
+        """Per-frame size at which libzmq itself drops the connection (``zmq.MAXMSGSIZE``).
+
+        It sits above ``max_message_bytes`` so that an oversized message normally reaches
+        the application check and is rejected with a logged reason; the cap only stops a
+        peer from making the receiver buffer arbitrarily large frames.
+        """
+        return self.max_message_bytes + max(
+            self.max_header_bytes, 2**20, self.max_message_bytes // 4
+        )
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def pack(env: Envelope, *, limits: Limits | None = None) -> list[bytes | memoryview]:
+    """Encode ``env`` as ``[header, tensor bytes...]`` ready for ``send_multipart(copy=False)``.
+
+    Tensor frames are zero-copy byte views of the arrays (non-contiguous or big-endian arrays
+    are copied to C-order little-endian first), so an array must not be modified until the
+    message has left. Refuses (``EnvelopeError``) tensors that are not NumPy arrays or whose
+    dtype is not in ``ALLOWED_DTYPES``, meta that is not plain data, bad field types, and,
+    when ``limits`` is given, a message the receiver would reject for its size.
+    """
+    _check_str("kind", env.kind, nonempty=True)
+    _check_str("sender", env.sender)
+    _check_str("session", env.session)
+    _check_uint("round", env.round, _MAX_INT64)
+    _check_uint("seq", env.seq, _MAX_UINT64)
+    if not isinstance(env.meta, dict):
+        raise EnvelopeError(f"meta must be a dict, got {type(env.meta).__name__}")
+    _check_plain(env.meta, "meta", 0)
+    if not isinstance(env.tensors, dict):
+        raise EnvelopeError(
+            f"tensors must be a dict of name -> ndarray, got {type(env.tensors).__name__}"
+        )
+
+    descriptors = []
+    buffers: list[bytes | memoryview] = []
+    for name, array in env.tensors.items():
+        _check_str("tensor name", name, nonempty=True)
+        if not isinstance(array, np.ndarray):
+            raise EnvelopeError(
+                f"tensor {name!r} is a {type(array).__name__}, not a numpy.ndarray; "
+                "convert it with numpy.asarray first"
+            )
+        dtype_name = array.dtype.name
+        if dtype_name not in ALLOWED_DTYPES:
+            raise EnvelopeError(
+                f"tensor {name!r} has dtype {array.dtype}, which is not allowed on the wire; "
+                f"use one of {sorted(ALLOWED_DTYPES)}"
+            )
+        wire = np.ascontiguousarray(array, dtype=_wire_dtype(dtype_name))
+        descriptors.append({"name": name, "dtype": dtype_name, "shape": list(array.shape)})
+        buffers.append(memoryview(wire.reshape(-1).view(np.uint8)))
+
+    header_map = {
+        "version": PROTOCOL_VERSION,
+        "kind": env.kind,
+        "sender": env.sender,
+        "session": env.session,
+        "round": env.round,
+        "seq": env.seq,
+        "meta": env.meta,
+        "tensors": descriptors,
+    }
+    try:
+        header = msgpack.packb(header_map, use_bin_type=True, strict_types=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EnvelopeError(f"the header cannot be encoded as msgpack: {exc}") from exc
+
+    if limits is not None:
+        total = len(header) + sum(len(b) for b in buffers)
+        if len(header) > limits.max_header_bytes:
+            raise EnvelopeError(
+                f"the header is {len(header)} bytes, above the limit of {limits.max_header_bytes}; "
+                "move large meta values into tensors"
+            )
+        if len(buffers) > limits.max_tensors:
+            raise EnvelopeError(
+                f"the message has {len(buffers)} tensors, above the limit of {limits.max_tensors}"
+            )
+        if total > limits.max_message_bytes:
+            raise EnvelopeError(
+                f"the message is {total} bytes, above the limit of {limits.max_message_bytes}; "
+                "send it in smaller batches"
+            )
+    return [header, *buffers]
+
+
+def unpack(
+    frames: Sequence[Any],
+    *,
+    kinds: Collection[str],
+    limits: Limits = DEFAULT_LIMITS,
+    session: str | None = None,
+) -> Envelope:
+    """Decode and validate frames made by :func:`pack` (bytes, memoryviews or ``zmq.Frame``).
+
+    Promises that the returned envelope has: a header with exactly the expected fields and
+    types, ``version == PROTOCOL_VERSION``, ``kind`` in ``kinds``, ``session`` equal to
+    ``session`` when that is given, non-negative int ``round`` and ``seq``, plain-data meta,
+    and one frame per tensor descriptor whose length is ``prod(shape) * itemsize`` for an
+    allowed dtype, unique names, ``ndim <= limits.max_ndim``, total size within limits.
+    Tensors are read-only ``np.frombuffer`` views of the frames (no copy). Refuses anything
+    else with ``EnvelopeError`` whose ``reason`` names the problem.
+    """
+    if isinstance(kinds, str):
+        raise TypeError("kinds must be a collection of kind names, not one str")
+    if isinstance(frames, bytes | bytearray | memoryview) or not isinstance(frames, Sequence):
+        raise EnvelopeError("frames must be a sequence of byte frames (header first)")
+    if len(frames) == 0:
+        raise EnvelopeError("the message has no frames; a header frame is required")
+    if len(frames) - 1 > limits.max_tensors:
+        raise EnvelopeError(
+            f"the message has {len(frames) - 1} tensor frames, above the limit of "
+            f"{limits.max_tensors}"
+        )
+    try:
+        views = [_byte_view(f) for f in frames]
+    except TypeError as exc:
+        raise EnvelopeError(f"a frame is not a byte buffer: {exc}") from exc
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_message_bytes:
+        raise EnvelopeError(
+            f"the message is {total} bytes, above the limit of {limits.max_message_bytes}"
+        )
+    header_view = views[0]
+    if header_view.nbytes > limits.max_header_bytes:
+        raise EnvelopeError(
+            f"the header frame is {header_view.nbytes} bytes, above the limit of "
+            f"{limits.max_header_bytes}"
+        )
+
+    header = _decode_header(header_view)
+    kind = header["kind"]
+    if kind not in kinds:
+        raise EnvelopeError(
+            f"message kind {kind!r} is not one of the expected kinds {sorted(kinds)}"
+        )
+    if session is not None and header["session"] != session:
+        raise EnvelopeError(
+            f"message belongs to session {header['session']!r}, not the current session {session!r}"
+        )
+
+    descriptors = header["tensors"]
+    if len(descriptors) != len(views) - 1:
+        raise EnvelopeError(
+            f"the header describes {len(descriptors)} tensors but {len(views) - 1} tensor "
+            "frames arrived"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for index, (descriptor, view) in enumerate(zip(descriptors, views[1:], strict=True)):
+        name, dtype_name, shape = _check_descriptor(descriptor, index, limits)
+        if name in tensors:
+            raise EnvelopeError(f"tensor name {name!r} appears twice")
+        dtype = _wire_dtype(dtype_name)
+        expected = math.prod(shape) * dtype.itemsize
+        if expected != view.nbytes:
+            raise EnvelopeError(
+                f"tensor {name!r} ({dtype_name}, shape {tuple(shape)}) needs {expected} bytes "
+                f"but its frame has {view.nbytes}"
+            )
+        # numpy would keep a non-canonical bool byte (e.g. 0x02) and compare it oddly
+        if dtype_name == "bool" and view.nbytes and int(np.frombuffer(view, np.uint8).max()) > 1:
+            raise EnvelopeError(f"bool tensor {name!r} holds bytes other than 0 and 1")
+        array = np.frombuffer(view, dtype=dtype).reshape(shape)
+        array.flags.writeable = False
+        tensors[name] = array
+
+    return Envelope(
+        kind=kind,
+        sender=header["sender"],
+        session=header["session"],
+        round=header["round"],
+        tensors=tensors,
+        meta=header["meta"],
+        seq=header["seq"],
+    )
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    """Total size in bytes of a list of frames (bytes, memoryviews, arrays or ``zmq.Frame``)."""
+    return sum(_byte_view(f).nbytes for f in frames)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _wire_dtype(name: str) -> np.dtype:
+    return np.dtype(name).newbyteorder("<")
+
+
+def _byte_view(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", frame)  # zmq.Frame exposes its bytes as .buffer
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _check_str(what: str, value: Any, *, nonempty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise EnvelopeError(f"{what} must be a str, got {type(value).__name__}")
+    if nonempty and not value:
+        raise EnvelopeError(f"{what} must not be empty")
+    if len(value) > MAX_NAME_CHARS:
+        raise EnvelopeError(f"{what} is {len(value)} characters, above {MAX_NAME_CHARS}")
+
+
+def _check_uint(what: str, value: Any, maximum: int) -> None:
+    if not _is_int(value):
+        raise EnvelopeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 0 or value > maximum:
+        raise EnvelopeError(f"{what} must be between 0 and {maximum}, got {value}")
+
+
+def _check_plain(value: Any, where: str, depth: int) -> None:
+    if depth > MAX_META_DEPTH:
+        raise EnvelopeError(f"{where} is nested deeper than {MAX_META_DEPTH} levels")
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise EnvelopeError(
+                    f"{where} has a key of type {type(key).__name__}; keys must be str"
+                )
+            _check_plain(item, f"{where}[{key!r}]", depth + 1)
+        return
+    raise EnvelopeError(
+        f"{where} is a {type(value).__name__}; meta holds only str, int, float, bool, None, "
+        "bytes, lists and dicts (send arrays as tensors, convert NumPy scalars with int()/float())"
+    )
+
+
+def _decode_header(view: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(
+            view,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            timestamp=0,
+        )
+    except EnvelopeError:
+        raise
+    except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
+        raise EnvelopeError(
+            f"the header frame is not valid msgpack: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(header, dict):
+        raise EnvelopeError(f"the header must be a msgpack map, got {type(header).__name__}")
+    if "version" not in header:
+        raise EnvelopeError("the header has no 'version' field")
+    version = header["version"]
+    if not _is_int(version) or version != PROTOCOL_VERSION:
+        raise EnvelopeError(
+            f"protocol version {version!r} is not supported (this side speaks version "
+            f"{PROTOCOL_VERSION}); run the same securevfl version on every role"
+        )
+    keys = set(header)
+    missing = HEADER_FIELDS - keys
+    if missing:
+        raise EnvelopeError(f"the header is missing field(s) {sorted(missing)}")
+    extra = keys - HEADER_FIELDS
+    if extra:
+        raise EnvelopeError(f"the header has unexpected field(s) {sorted(map(str, extra))}")
+    _check_str("kind", header["kind"], nonempty=True)
+    _check_str("sender", header["sender"])
+    _check_str("session", header["session"])
+    _check_uint("round", header["round"], _MAX_INT64)
+    _check_uint("seq", header["seq"], _MAX_UINT64)
+    if not isinstance(header["meta"], dict):
+        raise EnvelopeError(f"meta must be a map, got {type(header['meta']).__name__}")
+    _check_plain(header["meta"], "meta", 0)
+    if not isinstance(header["tensors"], list):
+        raise EnvelopeError(
+            f"tensors must be a list of descriptors, got {type(header['tensors']).__name__}"
+        )
+    return header
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise EnvelopeError(f"the header uses msgpack extension type {code}, which is not allowed")
+
+
+def _check_descriptor(descriptor: Any, index: int, limits: Limits) -> tuple[str, str, list[int]]:
+    if not isinstance(descriptor, dict) or set(descriptor) != DESCRIPTOR_FIELDS:
+        raise EnvelopeError(
+            f"tensor descriptor #{index} must be a map with exactly the fields "
+            f"{sorted(DESCRIPTOR_FIELDS)}"
+        )
+    name, dtype_name, shape = descriptor["name"], descriptor["dtype"], descriptor["shape"]
+    _check_str(f"tensor descriptor #{index} name", name, nonempty=True)
+    if not isinstance(dtype_name, str) or dtype_name not in ALLOWED_DTYPES:
+        raise EnvelopeError(
+            f"tensor {name!r} has dtype {dtype_name!r}, which is not in the allowlist "
+            f"{sorted(ALLOWED_DTYPES)}"
+        )
+    if not isinstance(shape, list):
+        raise EnvelopeError(f"tensor {name!r} shape must be a list of ints")
+    if len(shape) > limits.max_ndim:
+        raise EnvelopeError(
+            f"tensor {name!r} has {len(shape)} dimensions, above the limit of {limits.max_ndim}"
+        )
+    for dim in shape:
+        if not _is_int(dim) or dim < 0:
+            raise EnvelopeError(f"tensor {name!r} shape {shape!r} must hold non-negative ints")
+        if dim > limits.max_message_bytes:  # also keeps numpy away from absurd zero-size shapes
+            raise EnvelopeError(
+                f"tensor {name!r} dimension {dim} exceeds the message limit of "
+                f"{limits.max_message_bytes}"
+            )
+    return name, dtype_name, shape

@@ -1,0 +1,368 @@
+"""A peer: any non-aggregator role's DEALER connection to the hub."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Collection
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from transport.curve import CurveKeyPair, check_role_name
+from transport.envelope import (
+    DEFAULT_LIMITS,
+    Envelope,
+    EnvelopeError,
+    Limits,
+    frames_nbytes,
+    pack,
+    unpack,
+)
+from transport.errors import KeyRefused, PeerLost, ReceiveTimeout, TransportError
+from transport.sockets import (
+    HEARTBEAT_KIND,
+    HEARTBEAT_ROUTING_SUFFIX,
+    HELLO_KIND,
+    LINGER_MS,
+    RESERVED_KINDS,
+    check_endpoint,
+    check_kinds,
+    check_timeout,
+    check_timing,
+    configure_socket,
+    first_seq,
+    is_inproc,
+)
+
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
+
+class Peer:
+    """A role's connection to the hub: a CURVE-client DEALER plus a heartbeat thread.
+
+    The main socket (routing id ``name``) carries application messages and announces itself
+    with a ``hello`` on every (re)connection; a daemon thread with its own DEALER (routing
+    id ``name/hb``) sends a heartbeat every ``heartbeat_interval`` so the hub knows this role
+    is alive even while it computes. Incoming messages are validated like the hub's
+    (``sender`` must be the hub's name, kind, dtypes, sizes, session, strictly increasing
+    ``seq``); invalid ones are logged at WARNING, counted in ``rejected`` and dropped.
+    Heartbeats from the hub are consumed silently.
+
+    ``curve=False`` is accepted only for ``inproc://`` endpoints, where libzmq runs no CURVE
+    (see :class:`transport.Hub`); ``inproc://`` needs the hub's ``context``.
+
+    Not thread-safe: use a peer from one thread (the heartbeat thread has its own socket).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        connect: str,
+        keypair: CurveKeyPair | None = None,
+        server_public: bytes | None = None,
+        kinds: Collection[str],
+        limits: Limits = DEFAULT_LIMITS,
+        heartbeat_interval: float = 1.0,
+        peer_timeout: float = 10.0,
+        logger: logging.Logger | None = None,
+        context: zmq.Context | None = None,
+        hub_name: str = "aggregator",
+        curve: bool = True,
+    ) -> None:
+        check_role_name(name)
+        check_role_name(hub_name)
+        check_endpoint(connect, curve=curve, context=context)
+        check_timing(heartbeat_interval, peer_timeout)
+        if curve and (keypair is None or server_public is None):
+            raise ValueError(
+                "a CURVE peer needs keypair= (its own keys) and server_public= (the hub's key)"
+            )
+        self.name = name
+        self.hub_name = hub_name
+        self.endpoint = connect
+        self.kinds = check_kinds(kinds)
+        self.limits = limits
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.peer_timeout = float(peer_timeout)
+        self.logger = logger or logging.getLogger("transport.peer")
+        self.curve = curve
+        self.session: str | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rejected = 0
+
+        self._keypair = keypair
+        self._server_public = server_public
+        self._wire_kinds = self.kinds | {HEARTBEAT_KIND}
+        self._seq = first_seq()
+        self._last_seq: int | None = None
+        self._last_heard: float | None = None  # None until the hub has been heard once
+        self._refused = False
+        self._warned_handshake = False
+        self._handshakes = 0
+        self._closed = False
+        self._own_context = context is None
+        self._context = context if context is not None else zmq.Context()
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        try:
+            socket = self._new_socket(name)
+            self._socket = socket
+            if not is_inproc(connect):  # inproc has no handshake to watch
+                self._monitor = socket.get_monitor_socket(events=_MONITOR_EVENTS)
+            socket.connect(connect)
+            self._send_hello()
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name=f"{name}-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
+        except BaseException:
+            self.close(linger=0)
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    def send(self, env: Envelope) -> None:
+        """Send ``env`` to the hub; sets its ``sender`` (this role), ``seq``, empty ``session``.
+
+        Refuses (``EnvelopeError``) an envelope beyond this peer's limits, (``ValueError``)
+        one whose session differs from :attr:`session`, and (``TransportError``) a send the
+        hub does not take within ``peer_timeout``. Tensors are sent zero-copy: do not modify
+        them until the hub has received them.
+        """
+        sock = self._open_socket()
+        self._process_monitor()
+        frames = pack(self._stamp(env), limits=self.limits)
+        try:
+            sock.send_multipart(frames, copy=False)
+        except zmq.Again as exc:
+            raise TransportError(
+                f"{self.hub_name} at {self.endpoint} did not take a {env.kind!r} message within "
+                f"{self.peer_timeout:g} s; is it running and reading?"
+            ) from exc
+        self.bytes_sent += frames_nbytes(frames)
+
+    def recv(self, *, timeout: float) -> Envelope:
+        """Return the next valid application message from the hub.
+
+        Raises ``PeerLost(hub_name)`` when the hub, once heard, sends nothing (not even a
+        heartbeat) for ``peer_timeout``; ``KeyRefused`` when the hub refused this peer's
+        CURVE key; ``ReceiveTimeout`` when ``timeout`` seconds pass without a message.
+        """
+        check_timeout(timeout)
+        sock = self._open_socket()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            self._process_monitor()
+            while True:
+                try:
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                env = self._handle(frames)
+                if env is not None:
+                    return env
+            now = time.monotonic()
+            wake = deadline
+            if self._last_heard is not None:
+                silent = now - self._last_heard
+                if silent > self.peer_timeout:
+                    raise PeerLost(self.hub_name, silent_for=silent, peer_timeout=self.peer_timeout)
+                wake = min(wake, self._last_heard + self.peer_timeout)
+            if now >= deadline:
+                heard = (
+                    ""
+                    if self._last_heard is not None
+                    else f"; {self.hub_name} has not answered yet"
+                )
+                raise ReceiveTimeout(
+                    f"{self.name} received no message from {self.hub_name} ({self.endpoint}) "
+                    f"within {timeout:g} s{heard}"
+                )
+            poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+
+    def close(self, *, linger: float = LINGER_MS / 1000) -> None:
+        """Stop the heartbeat thread, close the sockets; unsent messages go after ``linger`` s.
+
+        Idempotent; never blocks much longer than ``linger`` (plus one heartbeat send).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        thread = self._heartbeat_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(2.0, 2 * self.heartbeat_interval))
+        if self._socket is not None:
+            if self._monitor is not None:
+                self._socket.disable_monitor()
+                self._monitor.close(linger=0)
+            self._socket.close(linger=int(linger * 1000))
+        if self._own_context and (thread is None or not thread.is_alive()):
+            self._context.term()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Peer(name={self.name!r}, endpoint={self.endpoint!r})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_socket(self, routing_id: str) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            configure_socket(
+                sock,
+                limits=self.limits,
+                heartbeat_interval=self.heartbeat_interval,
+                peer_timeout=self.peer_timeout,
+            )
+            sock.setsockopt(zmq.ROUTING_ID, routing_id.encode("ascii"))
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            if self.curve:
+                assert self._keypair is not None and self._server_public is not None
+                sock.curve_serverkey = self._server_public
+                sock.curve_publickey = self._keypair.public
+                sock.curve_secretkey = self._keypair.secret
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def _open_socket(self) -> zmq.Socket:
+        if self._closed or self._socket is None:
+            raise TransportError(f"peer {self.name} is closed")
+        if self._refused:
+            raise self._key_refused()
+        return self._socket
+
+    def _stamp(self, env: Envelope) -> Envelope:
+        if self.session is not None:
+            if not env.session:
+                env.session = self.session
+            elif env.session != self.session:
+                raise ValueError(
+                    f"envelope session {env.session!r} differs from the peer's session "
+                    f"{self.session!r}"
+                )
+        env.sender = self.name
+        self._seq += 1
+        env.seq = self._seq
+        return env
+
+    def _send_hello(self) -> None:
+        assert self._socket is not None
+        self._seq += 1
+        hello = pack(Envelope(kind=HELLO_KIND, sender=self.name, seq=self._seq))
+        try:
+            self._socket.send_multipart(hello, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.logger.debug("hello to %s not queued (send queue full)", self.hub_name)
+
+    def _process_monitor(self) -> None:
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshakes += 1
+                if self._handshakes > 1:  # the first link got the hello queued in __init__
+                    self._send_hello()  # a reconnected or restarted hub must learn our route
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused = True
+            elif not self._warned_handshake:
+                self._warned_handshake = True
+                self.logger.warning(
+                    "the CURVE handshake with %s at %s failed; check that server_public is "
+                    "the hub's public key and that both sides run CurveZMQ",
+                    self.hub_name,
+                    self.endpoint,
+                )
+        if self._refused:
+            raise self._key_refused()
+
+    def _key_refused(self) -> KeyRefused:
+        key = self._keypair.public.decode("ascii") if self._keypair else "?"
+        return KeyRefused(
+            f"{self.hub_name} at {self.endpoint} refused {self.name}'s CURVE key {key}; add it to "
+            "the federation allowlist with `securevfl keys` or check the keys directory"
+        )
+
+    def _handle(self, frames: list[zmq.Frame]) -> Envelope | None:
+        try:
+            env = unpack(frames, kinds=self._wire_kinds, limits=self.limits)
+            if env.sender != self.hub_name:
+                raise EnvelopeError(
+                    f"the sender field says {env.sender!r} but this socket only talks to "
+                    f"{self.hub_name!r}"
+                )
+            if env.kind == HEARTBEAT_KIND:
+                if env.tensors or env.meta:
+                    raise EnvelopeError("a heartbeat must carry no tensors or meta")
+            elif self.session is not None and env.session != self.session:
+                raise EnvelopeError(
+                    f"message belongs to session {env.session!r}, not the current session "
+                    f"{self.session!r}"
+                )
+            if self._last_seq is not None and env.seq <= self._last_seq:
+                raise EnvelopeError(
+                    f"{env.kind!r} message has seq {env.seq}, not above {self._last_seq}, the "
+                    "last one accepted: a replayed or reordered message"
+                )
+        except EnvelopeError as exc:
+            self.rejected += 1
+            self.logger.warning("rejected a message from %s: %s", self.hub_name, exc.reason)
+            return None
+        self._last_seq = env.seq
+        self._last_heard = time.monotonic()
+        if env.kind in RESERVED_KINDS:
+            return None
+        self.bytes_received += frames_nbytes(frames)
+        return env
+
+    def _heartbeat_loop(self) -> None:
+        try:
+            sock = self._new_socket(self.name + HEARTBEAT_ROUTING_SUFFIX)
+        except Exception:
+            self.logger.exception("%s cannot open its heartbeat socket", self.name)
+            return
+        try:
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no backlog of stale beats while disconnected
+            sock.connect(self.endpoint)
+            seq = first_seq()
+            while not self._stop.is_set():
+                seq += 1
+                beat = pack(Envelope(kind=HEARTBEAT_KIND, sender=self.name, seq=seq))
+                try:
+                    sock.send_multipart(beat, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # not connected (yet): nothing to keep alive
+                self._stop.wait(self.heartbeat_interval)
+        except Exception:
+            self.logger.exception("%s heartbeat thread failed", self.name)
+        finally:
+            sock.close(linger=0)
