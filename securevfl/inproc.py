@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import zmq
 
-from securevfl.config import RunConfig
+from securevfl.config import ConfigError, RunConfig
 from securevfl.data.table import load_active_table, load_party_table, role_data_path
 from securevfl.roles import protocol as P
 
@@ -32,6 +32,12 @@ def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
     from securevfl.roles.aggregator import run_aggregator
     from securevfl.roles.party import run_party
 
+    if cfg.aggregation == "ckks":
+        raise ConfigError(
+            "[run] aggregation",
+            "ckks cannot run in-process: the aggregator thread would share memory with the CKKS "
+            "secret key; use `securevfl run` (one process per role)",
+        )
     out = Path(out).resolve()
     if config_path is None:
         config_path = out / "config.toml"

@@ -276,3 +276,18 @@ def backend(name: str) -> SecureSumBackend:
         return BACKENDS[name]
     except KeyError:
         raise KeyError(f"unknown aggregation {name!r}; choose one of {sorted(BACKENDS)}") from None
+
+
+def ckks_context_tag(*, context: bytes, my_keypair: MaskingKeyPair, peer: str, me: str,
+                     peer_public: bytes, session: bytes) -> bytes:
+    """End-to-end authentication of the CKKS public context between the key holder and one
+    party: HMAC-SHA256 under their pairwise X25519/HKDF key, which the aggregator (who forwards
+    the context) cannot compute. Stops an aggregator from substituting a context it can decrypt."""
+    import hashlib
+    import hmac
+
+    from crypto import pair_key
+
+    key = pair_key(my_private=my_keypair.private, peer_public=peer_public, session=session,
+                   me=me, peer=peer)
+    return hmac.new(key, b"securevfl/ckks-context/v1" + context, hashlib.sha256).digest()

@@ -22,7 +22,7 @@ from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.party import report_failure
-from securevfl.secure_sum import SumSession, backend, check_group
+from securevfl.secure_sum import SumSession, backend, check_group, ckks_context_tag
 from transport import Envelope
 
 
@@ -176,10 +176,17 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
             ctx.epoch_seconds = list(saved.get("epoch_seconds", []))
             ctx.history = list(saved.get("history", []))
         setup_inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": table.ids}
+        setup_args: dict[str, Any] = {"resume_epoch": start_epoch - 1}
         if ctx.ckks_context is not None:
             setup_inputs["ckks_context"] = np.frombuffer(ctx.ckks_context, dtype=np.uint8)
+            setup_args["ckks_tags"] = {
+                p: ckks_context_tag(context=ctx.ckks_context, my_keypair=conn.secrets.mask,
+                                    me=cfg.active_name, peer=p, peer_public=conn.public.mask[p],
+                                    session=session).hex()
+                for p in ctx.parties
+            }
         held = ctx.call(P.OP_SETUP, ids=np.empty(0, dtype=np.int64),
-                        args={"resume_epoch": start_epoch - 1}, inputs=setup_inputs,
+                        args=setup_args, inputs=setup_inputs,
                         to=ctx.parties, collect=["present"])
         ctx.set_presence({p: held[f"present@{p}"] for p in ctx.parties})
         anyone = ctx.presence(table.ids).any(axis=1)

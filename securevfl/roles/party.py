@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets as pysecrets
@@ -16,7 +17,7 @@ from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
-from securevfl.secure_sum import SumSession, backend
+from securevfl.secure_sum import SumSession, backend, ckks_context_tag
 from transport import Envelope
 
 
@@ -63,6 +64,17 @@ class PassiveParty:
             self.conn.send(Envelope(kind=P.CONTRIB, sender=self.name, round=env.round,
                                     tensors=tensors, meta={"shapes": shapes}))
 
+    def _check_context_tag(self, context: bytes, tags: Mapping[str, str], session: bytes) -> None:
+        active = self.cfg.active_name
+        expected = ckks_context_tag(context=context, my_keypair=self.conn.secrets.mask, me=self.name,
+                                    peer=active, peer_public=self.conn.public.mask[active],
+                                    session=session)
+        if not hmac.compare_digest(bytes.fromhex(str(tags.get(self.name, ""))), expected):
+            raise P.RunAborted(
+                "the CKKS public context failed authentication: it was not sent by the active "
+                f"party {active!r} (the aggregator or the network altered it); refusing to encrypt"
+            )
+
     def _answer(self, env: Envelope, session: bytes) -> tuple[dict[str, np.ndarray], dict]:
         op = env.meta["op"]
         args = env.meta.get("args", {})
@@ -70,6 +82,8 @@ class PassiveParty:
         if op == P.OP_SETUP:
             self.method.setup(args=args, inputs=inputs)
             ckks = inputs.get("ckks_context")
+            if ckks is not None:
+                self._check_context_tag(ckks.tobytes(), args.get("ckks_tags", {}), session)
             self.stage = backend(self.cfg.aggregation).party(SumSession(
                 name=self.name, session=session, min_group=self.cfg.min_group,
                 frac_bits=self.cfg.frac_bits, bound=self.cfg.bound,

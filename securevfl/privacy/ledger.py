@@ -1,0 +1,357 @@
+"""The privacy ledger: one JSON line per mechanism application, appended and fsynced.
+
+A ledger is the evidence an audit recomputes epsilon from, so it is written defensively:
+every event is one ``os.write`` on a file opened with ``O_APPEND``, followed by ``fsync``,
+so a run that crashes keeps every event written before the crash. Reading validates every
+line and names the line number of the first bad one.
+
+Line format (schema 1), one JSON object per line:
+
+- a DP release: ``{"schema": 1, "kind": "dp", "role", "mechanism", "noise_multiplier",
+  "clip", "sample_rate", "steps", "delta", "epoch", "amplified", "note", "time"}``
+- a release with no formal guarantee: ``{"schema": 1, "kind": "unprotected", "role",
+  "mechanism": "unprotected", "what", "reason", "epoch", "time"}``
+
+``steps`` counts how many times each affected row was released by this event, the unit the
+accountant composes. For label DP and embedding DP (no amplification, sample rate 1) record
+one step per row use: e.g. one event per epoch with ``steps=1`` when each row is in one batch
+per epoch. For DP-SGD with amplification, record one event per optimizer step with sample
+rate ``batch / N``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time as _time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from securevfl.privacy.mechanisms import MECHANISMS, Mechanism
+
+__all__ = [
+    "LEDGER_FILENAME",
+    "SCHEMA_VERSION",
+    "UNPROTECTED",
+    "LedgerError",
+    "LedgerEvent",
+    "PrivacyLedger",
+    "merge_history",
+]
+
+LEDGER_FILENAME = "privacy_ledger.jsonl"
+SCHEMA_VERSION = 1
+UNPROTECTED = "unprotected"
+
+History = list[tuple[float, float, int]]
+
+
+class LedgerError(ValueError):
+    """A ledger file or event that cannot be trusted; the message names the file and line."""
+
+
+def _check_number(name: str, value: Any, *, low: float, high: float, high_ok: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v <= low or (v > high if high_ok else v >= high):
+        upper = f"<= {high}" if high_ok else f"< {high}"
+        raise ValueError(f"{name} must be > {low} and {upper}, got {value!r}")
+    return v
+
+
+@dataclass
+class LedgerEvent:
+    """One application of a DP mechanism, as the accountant composes it.
+
+    ``(noise_multiplier, sample_rate, steps)`` is one entry of an Opacus accountant history.
+    Validation refuses events the accountant could not honestly use: non-positive sigma or
+    clip, a sample rate outside (0, 1], fewer than one step, delta outside (0, 1), an unknown
+    mechanism, ``amplified`` disagreeing with ``sample_rate < 1``, and a sample rate below 1
+    for a mechanism that releases to other parties (label DP, embedding DP): those parties
+    know which rows are in each batch, so subsampling amplification does not apply.
+    """
+
+    role: str
+    mechanism: str
+    noise_multiplier: float
+    clip: float
+    sample_rate: float
+    steps: int
+    delta: float
+    epoch: int | None
+    amplified: bool
+    note: str = ""
+    time: float = field(default_factory=_time.time)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, str) or not self.role:
+            raise ValueError(f"role must be a non-empty string, got {self.role!r}")
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(
+                f"unknown mechanism {self.mechanism!r}; known mechanisms are {sorted(MECHANISMS)}"
+                f" (use record_unprotected for releases without a guarantee)"
+            )
+        self.noise_multiplier = _check_number(
+            "noise_multiplier", self.noise_multiplier, low=0.0, high=math.inf, high_ok=True
+        )
+        self.clip = _check_number("clip", self.clip, low=0.0, high=math.inf, high_ok=True)
+        self.sample_rate = _check_number(
+            "sample_rate", self.sample_rate, low=0.0, high=1.0, high_ok=True
+        )
+        self.delta = _check_number("delta", self.delta, low=0.0, high=1.0, high_ok=False)
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+        if self.epoch is not None and (
+            isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0
+        ):
+            raise ValueError(f"epoch must be None or an int >= 0, got {self.epoch!r}")
+        if not isinstance(self.amplified, bool):
+            raise ValueError(f"amplified must be a bool, got {self.amplified!r}")
+        if self.amplified != (self.sample_rate < 1.0):
+            raise ValueError(
+                f"amplified={self.amplified} disagrees with sample_rate={self.sample_rate}: "
+                "an event is amplified exactly when its sample rate is below 1"
+            )
+        if self.amplified and not MECHANISMS[self.mechanism].amplified:
+            raise ValueError(
+                f"{self.mechanism} releases to other parties, who know which rows are in each "
+                f"batch, so it is accounted without subsampling amplification: record "
+                f"sample_rate=1.0 (got {self.sample_rate}) and one step per use of a row"
+            )
+        if not isinstance(self.note, str):
+            raise ValueError(f"note must be a string, got {self.note!r}")
+        self.time = _check_number("time", self.time, low=-math.inf, high=math.inf, high_ok=True)
+
+    @property
+    def history_entry(self) -> tuple[float, float, int]:
+        """``(noise_multiplier, sample_rate, steps)``, an Opacus accountant history entry."""
+        return (self.noise_multiplier, self.sample_rate, self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_VERSION, "kind": "dp", **asdict(self)}
+
+
+def _unprotected_record(
+    *, role: str, what: str, reason: str, epoch: int | None, time: float
+) -> dict[str, Any]:
+    for name, value in (("role", role), ("what", what), ("reason", reason)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+        raise ValueError(f"epoch must be None or an int >= 0, got {epoch!r}")
+    return {
+        "kind": UNPROTECTED,
+        "role": role,
+        "mechanism": UNPROTECTED,
+        "what": what,
+        "reason": reason,
+        "epoch": epoch,
+        "time": float(time),
+    }
+
+
+def _parse_line(obj: Any) -> LedgerEvent | dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if obj.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"unsupported schema {obj.get('schema')!r}, expected {SCHEMA_VERSION}")
+    body = {k: v for k, v in obj.items() if k != "schema"}
+    kind = body.pop("kind", None)
+    if kind == "dp":
+        fields = set(LedgerEvent.__dataclass_fields__)
+        unknown = set(body) - fields
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        missing = fields - set(body) - {"note"}
+        if missing:
+            raise ValueError(f"missing keys {sorted(missing)}")
+        return LedgerEvent(**body)
+    if kind == UNPROTECTED:
+        expected = {"role", "mechanism", "what", "reason", "epoch", "time"}
+        if set(body) != expected:
+            raise ValueError(f"an unprotected record has exactly the keys {sorted(expected)}")
+        if body["mechanism"] != UNPROTECTED:
+            raise ValueError(f"an unprotected record has mechanism {UNPROTECTED!r}")
+        return _unprotected_record(
+            role=body["role"],
+            what=body["what"],
+            reason=body["reason"],
+            epoch=body["epoch"],
+            time=_check_number("time", body["time"], low=-math.inf, high=math.inf, high_ok=True),
+        )
+    raise ValueError(f"unknown kind {kind!r}; expected 'dp' or {UNPROTECTED!r}")
+
+
+def merge_history(events: list[LedgerEvent]) -> History:
+    """Opacus accountant history from events in ledger order: consecutive events with the same
+    ``(noise_multiplier, sample_rate)`` become one entry whose steps are summed (what
+    Opacus's own ``step()`` does, so epsilon matches an accountant fed the same steps)."""
+    history: History = []
+    for e in events:
+        if history and history[-1][0] == e.noise_multiplier and history[-1][1] == e.sample_rate:
+            sigma, q, steps = history[-1]
+            history[-1] = (sigma, q, steps + e.steps)
+        else:
+            history.append(e.history_entry)
+    return history
+
+
+class PrivacyLedger:
+    """An append-only JSON-lines ledger of privacy events for one run.
+
+    Opening a ledger that already exists (a resumed run) validates its content first and
+    refuses to append to a corrupt or torn file. One writer per file is the intended use;
+    each event is a single ``O_APPEND`` write followed by ``fsync``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._events: list[LedgerEvent | dict[str, Any]] = []
+        if self.path.exists():
+            self._events = self.read(self.path)
+            with self.path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        raise LedgerError(
+                            f"{self.path}: the last line has no final newline (a write torn by "
+                            "a crash?); appending would corrupt it. Repair the file (add the "
+                            "newline or drop the torn line) before resuming"
+                        )
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            self._fsync_directory()
+
+    def _fsync_directory(self) -> None:
+        try:
+            dfd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:  # some platforms cannot open directories; the file fsync still holds
+            return
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(dfd)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def record(self, event: LedgerEvent) -> None:
+        """Append ``event`` and fsync it before returning."""
+        if not isinstance(event, LedgerEvent):
+            raise TypeError(f"record takes a LedgerEvent, got {type(event).__name__}")
+        self._append(event.to_json())
+        self._events.append(event)
+
+    def record_release(
+        self,
+        mechanism: Mechanism,
+        *,
+        role: str,
+        delta: float,
+        steps: int = 1,
+        epoch: int | None = None,
+        sample_rate: float = 1.0,
+        note: str = "",
+    ) -> LedgerEvent:
+        """Record one application of ``mechanism`` (its sigma and clip) and return the event.
+
+        ``steps``: how many times each affected row was released by this application.
+        ``sample_rate`` below 1 (amplification) is refused for mechanisms that release to
+        other parties; see `LedgerEvent`.
+        """
+        event = LedgerEvent(
+            role=role,
+            mechanism=mechanism.name,
+            noise_multiplier=mechanism.noise_multiplier,
+            clip=mechanism.clip,
+            sample_rate=sample_rate,
+            steps=steps,
+            delta=delta,
+            epoch=epoch,
+            amplified=sample_rate < 1.0,
+            note=note,
+        )
+        self.record(event)
+        return event
+
+    def record_unprotected(
+        self, *, role: str, what: str, reason: str, epoch: int | None = None
+    ) -> None:
+        """Record a release with no formal guarantee (plain aggregation, a sum over a single
+        contributor, ...): the audit lists it as "no formal guarantee". ``what`` names the
+        release, ``reason`` why it is unprotected."""
+        record = _unprotected_record(
+            role=role, what=what, reason=reason, epoch=epoch, time=_time.time()
+        )
+        self._append({"schema": SCHEMA_VERSION, **record})
+        self._events.append(record)
+
+    @property
+    def events(self) -> list[LedgerEvent | dict[str, Any]]:
+        """Every event of this ledger (read at open, plus those recorded since), in order."""
+        return list(self._events)
+
+    def history(self, *, role: str, mechanism: str) -> History:
+        """The merged accountant history of one (role, mechanism), for budget checks."""
+        return merge_history(
+            [
+                e
+                for e in self._events
+                if isinstance(e, LedgerEvent) and e.role == role and e.mechanism == mechanism
+            ]
+        )
+
+    @staticmethod
+    def read(path: Path, *, tolerate_torn_tail: bool = False) -> list[LedgerEvent | dict]:
+        """Read and validate a ledger file: `LedgerEvent` for DP events, a dict for
+        unprotected releases (keys: kind, role, mechanism, what, reason, epoch, time).
+
+        Refuses (`LedgerError`, naming the file and line number) any line that is not valid
+        JSON or not a valid event. A corrupt last line without a newline is what a crash
+        during a write leaves; with ``tolerate_torn_tail`` such a line is dropped instead of
+        refused. Blank lines are skipped.
+        """
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise LedgerError(f"no privacy ledger at {path}") from None
+        lines = data.split(b"\n")
+        torn = lines[-1] != b""
+        if not torn:
+            lines = lines[:-1]
+        events: list[LedgerEvent | dict] = []
+        for number, raw in enumerate(lines, start=1):
+            is_tail = torn and number == len(lines)
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+                events.append(_parse_line(obj))
+            except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                if is_tail and tolerate_torn_tail:
+                    break
+                hint = (
+                    " (the last line has no newline: probably a write torn by a crash; "
+                    "read with tolerate_torn_tail=True to drop it)"
+                    if is_tail
+                    else ""
+                )
+                raise LedgerError(f"{path}: line {number} is corrupt: {exc}{hint}") from exc
+        return events

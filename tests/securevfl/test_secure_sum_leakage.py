@@ -1,0 +1,89 @@
+"""What the aggregator receives: in `mask` mode it carries no usable information about a party's
+representation (unlike `plain`). Captured from a real in-process federation run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from securevfl import secure_sum
+from securevfl.inproc import run_federation
+from securevfl.methods.splitnn import SplitNNParty
+from tests.securevfl.conftest import make_config
+
+
+def _capture(monkeypatch, aggregation: str, raw, d):
+    raw["run"]["aggregation"] = aggregation
+    raw["train"]["epochs"] = 1
+    received: list[np.ndarray] = []  # what reached the aggregator from party "alpha"
+    truth: list[np.ndarray] = []  # alpha's true representations, in the same order
+    stage = {"plain": secure_sum.PlainAggregator, "mask": secure_sum.MaskAggregator}[aggregation]
+    original_combine = stage.combine
+    original_handle = SplitNNParty.handle
+
+    def spy_combine(self, contributions, *, group, key):
+        received.append(np.array(contributions["alpha"][key]))
+        return original_combine(self, contributions, group=group, key=key)
+
+    def spy_handle(self, op, **kw):
+        out = original_handle(self, op, **kw)
+        if self.name == "alpha" and "rep" in out:
+            truth.append(np.array(out["rep"], dtype=np.float64))
+        return out
+
+    monkeypatch.setattr(stage, "combine", spy_combine)
+    monkeypatch.setattr(SplitNNParty, "handle", spy_handle)
+    code, _ = run_federation(make_config(raw, d), out=d / f"run-{aggregation}")
+    assert code == 0
+    assert len(received) == len(truth) > 0
+    return np.concatenate([r.reshape(-1) for r in received]), np.concatenate(
+        [t.reshape(-1) for t in truth]
+    )
+
+
+def _as_signed_fixed_point(v: np.ndarray) -> np.ndarray:
+    """The best guess an aggregator can make: read ring elements as signed fixed point."""
+    return v.view(np.int64).astype(np.float64) / 2.0**20
+
+
+def test_plain_aggregator_sees_the_representation(monkeypatch, small_federation):
+    raw, d = small_federation
+    seen, truth = _capture(monkeypatch, "plain", raw, d)
+    assert np.corrcoef(seen, truth)[0, 1] > 0.999
+
+
+def test_masked_contributions_carry_no_information(monkeypatch, small_federation):
+    raw, d = small_federation
+    seen, truth = _capture(monkeypatch, "mask", raw, d)
+    assert seen.dtype == np.uint64
+    guess = _as_signed_fixed_point(seen)
+    assert abs(np.corrcoef(guess, truth)[0, 1]) < 0.05
+    # rank correlation too (robust to the huge magnitudes)
+    rank = lambda a: np.argsort(np.argsort(a))  # noqa: E731
+    assert abs(np.corrcoef(rank(guess), rank(truth))[0, 1]) < 0.05
+    # every bit of the masked words is balanced, and high bits do not follow the sign bit
+    tol = 5 * 0.5 / np.sqrt(len(seen))  # 5 sigma per bit
+    assert np.all(np.abs(_bits(seen).mean(axis=0) - 0.5) < tol)
+    assert np.all(np.abs(_sign_agreement(seen)[40:63] - 0.5) < tol)
+    # the same statistic exposes the unmasked encoding: its high bits all copy the sign bit
+    enc = np.round(truth * 2**20).astype(np.int64).view(np.uint64)
+    assert np.all(_sign_agreement(enc)[40:63] > 0.99)
+
+
+def _bits(words: np.ndarray) -> np.ndarray:
+    """[n, 64] bits, most significant first."""
+    return np.unpackbits(words.astype(">u8").view(np.uint8)).reshape(-1, 64)
+
+
+def _sign_agreement(words: np.ndarray) -> np.ndarray:
+    b = _bits(words)
+    return (b == b[:, :1]).mean(axis=0)[::-1]  # index i = bit i (0 = least significant)
+
+
+def test_group_smaller_than_min_group_is_refused():
+    secure_sum.check_group("plain", ["a"], min_group=2, key="S", what="test")  # plain: baseline
+    for backend in ("mask", "ckks"):
+        with pytest.raises(secure_sum.GroupTooSmall, match="min_group = 2") as info:
+            secure_sum.check_group(backend, ["a"], min_group=2, key="S", what="method laser")
+        assert "method laser" in str(info.value)
+    secure_sum.check_group("mask", ["a"], min_group=1, key="S", what="explicit opt-in")
