@@ -69,6 +69,12 @@ class Hub:
     route is dropped, but one that only listens could receive what is sent to that role;
     the threat model assumes roles follow the protocol.
 
+    Attributes: ``endpoint`` (the bound address, with the real port for ``tcp://...:0``),
+    ``session`` (settable; when set, application messages of another session are rejected),
+    ``bytes_sent`` / ``bytes_received`` (envelope frame bytes of application messages sent /
+    accepted; heartbeats, rejected messages and CURVE overhead are not counted) and
+    ``rejected`` (messages dropped by validation).
+
     Not thread-safe: use a hub from one thread.
     """
 

@@ -60,6 +60,10 @@ class Peer:
     ``curve=False`` is accepted only for ``inproc://`` endpoints, where libzmq runs no CURVE
     (see :class:`transport.Hub`); ``inproc://`` needs the hub's ``context``.
 
+    Attributes: ``session`` (settable, as on the hub), ``bytes_sent`` / ``bytes_received``
+    (envelope frame bytes of application messages; heartbeats and hellos not counted) and
+    ``rejected``.
+
     Not thread-safe: use a peer from one thread (the heartbeat thread has its own socket).
     """
 
@@ -128,6 +132,12 @@ class Peer:
                 target=self._heartbeat_loop, name=f"{name}-heartbeat", daemon=True
             )
             self._heartbeat_thread.start()
+        except zmq.ZMQError as exc:
+            self.close(linger=0)
+            raise TransportError(
+                f"{name} cannot connect to {connect}: {exc.strerror}; check the aggregator's "
+                "address (e.g. tcp://10.0.0.5:5555)"
+            ) from exc
         except BaseException:
             self.close(linger=0)
             raise

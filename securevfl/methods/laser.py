@@ -131,13 +131,14 @@ def _opt_number(cfg: RunConfig, key: str, lo: float, hi: float, *, hi_open: bool
         raise ConfigError(f"[method] {key}", f"must be a number >= {lo} and {bound}, got {v!r}")
 
 
-def option_checks(method: str, extra: Mapping[str, Callable[[RunConfig], None]] | None = None
+def option_checks(method: str, *, extra_keys: Sequence[str] = (),
+                  check: Callable[[RunConfig], None] | None = None
                   ) -> Callable[[RunConfig], None]:
-    """A config check for `method`'s `[method]` options: refuses unknown keys and bad values."""
-    extra = dict(extra or {})
+    """A config check for `method`'s `[method]` options: the common ones plus `extra_keys`
+    (validated by `check`); refuses unknown keys and bad values."""
 
-    def check(cfg: RunConfig) -> None:
-        known = set(COMMON_OPTIONS) | set(extra)
+    def run_checks(cfg: RunConfig) -> None:
+        known = set(COMMON_OPTIONS) | set(extra_keys)
         for key, _ in cfg.method_options:
             if key not in known:
                 raise ConfigError(f"[method] {key}",
@@ -155,10 +156,10 @@ def option_checks(method: str, extra: Mapping[str, Callable[[RunConfig], None]] 
                 for r in rates):
             raise ConfigError("[method] eval_test_missing",
                               f"must be a list of missing rates in [0, 1), got {rates!r}")
-        for fn in extra.values():
-            fn(cfg)
+        if check is not None:
+            check(cfg)
 
-    return check
+    return run_checks
 
 
 def lr_at(cfg: RunConfig, epoch: int) -> float:
@@ -787,5 +788,5 @@ def _check_exact(cfg: RunConfig) -> None:
 SPEC = register_method(MethodSpec(
     name="laser", active=LaserActive, party=BlockParty, tasks=CLASSIFICATION,
     description="LASER-VFL: a head per party over the mean of any subset of present parties",
-    extra_checks=(option_checks("laser", {"exact_objective": _check_exact}),),
+    extra_checks=(option_checks("laser", extra_keys=("exact_objective",), check=_check_exact),),
 ))

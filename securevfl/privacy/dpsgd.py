@@ -25,14 +25,19 @@ from torch import nn
 
 __all__ = ["make_private_model"]
 
-# torch warns on every backward through Opacus's full backward hook on a first layer whose
-# input does not require grad; that is the normal case here (inputs are data) and harmless.
-warnings.filterwarnings(
-    "ignore",
-    message=r"Full backward hook is firing when gradients are computed with respect to module "
-    r"outputs since no inputs require gradients",
-    category=UserWarning,
-)
+
+def _silence_backward_hook_warning() -> None:
+    # torch warns on backward through Opacus's full backward hook on a first layer whose input
+    # does not require grad: the normal case here (inputs are data), and harmless
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Full backward hook is firing when gradients are computed with respect to "
+        r"module outputs since no inputs require gradients",
+        category=UserWarning,
+    )
+
+
+_silence_backward_hook_warning()
 
 LOSS_REDUCTIONS = ("mean", "sum")
 
@@ -127,6 +132,7 @@ def make_private_model(
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         generator = torch.Generator(device=device)
         generator.manual_seed(secrets.randbits(63))
+    _silence_backward_hook_warning()  # again: test runners reset import-time filters
     gsm = GradSampleModule(model, loss_reduction=loss_reduction)
     dp_optimizer = DPOptimizer(
         optimizer,

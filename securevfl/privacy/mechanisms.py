@@ -109,7 +109,10 @@ class Mechanism(ABC):
         generator: torch.Generator | None = None,
     ) -> None:
         """Refuses (ValueError, naming the parameter) ``noise_multiplier <= 0`` or ``clip <= 0``
-        and non-finite values: a mechanism without noise has no guarantee to account."""
+        and non-finite values: a mechanism without noise has no guarantee to account.
+        Refuses (TypeError) a class without a ``name``: only registered mechanisms are built."""
+        if not isinstance(getattr(type(self), "name", None), str):
+            raise TypeError(f"{type(self).__name__} is abstract: it has no mechanism name")
         self.noise_multiplier = _positive_finite(noise_multiplier, "noise_multiplier")
         self.clip = _positive_finite(clip, "clip")
         self.generator = generator
@@ -120,9 +123,7 @@ class Mechanism(ABC):
         return self.noise_multiplier * self.clip
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(noise_multiplier={self.noise_multiplier}, clip={self.clip})"
-        )
+        return f"{type(self).__name__}(noise_multiplier={self.noise_multiplier}, clip={self.clip})"
 
 
 class ReleaseMechanism(Mechanism):
@@ -164,10 +165,13 @@ class ReleaseMechanism(Mechanism):
                 )
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{self.name}: {key} contains NaN or infinite values")
-        sq = sum(t.detach().reshape(rows, -1).double().pow(2).sum(dim=1) for _, t in tensors)
-        norms = sq.sqrt()
+
+        def row_sq(t: torch.Tensor) -> torch.Tensor:  # float64: no overflow for large rows
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])).double().pow(2).sum(dim=1)
+
+        norms = sum(row_sq(t.detach()) for _, t in tensors).sqrt()
         # the clip factor carries autograd so that backward through a released tensor is exact
-        sq_live = sum(t.reshape(rows, -1).pow(2).sum(dim=1) for _, t in tensors)
+        sq_live = sum(row_sq(t) for _, t in tensors)
         safe = torch.where(norms > self.clip, sq_live, torch.ones_like(sq_live))
         factor = torch.where(norms > self.clip, self.clip / safe.sqrt(), torch.ones_like(safe))
         out = []

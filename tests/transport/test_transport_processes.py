@@ -1,4 +1,4 @@
-"""A peer in its own OS process: killed with SIGKILL it is reported lost; restarted it is served."""
+"""Real OS processes: a SIGKILLed peer is reported lost and its restart served; import hygiene."""
 
 from __future__ import annotations
 
@@ -61,3 +61,20 @@ def test_killed_peer_process_is_lost_and_its_restart_is_served(make_hub, keys):
         for proc in processes:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def test_transport_imports_no_ml_no_crypto_and_no_pickle_helpers():
+    probe = (
+        "import sys, transport; "
+        "names = ('torch', 'securevfl', 'crypto', 'tenseal', 'opacus'); "
+        "bad = [m for m in names if m in sys.modules]; "
+        "print(bad)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+    source = "\n".join(p.read_text() for p in (REPO / "transport").glob("*.py"))
+    for forbidden in ("import pickle", "send_pyobj", "recv_pyobj", "allow_pickle=True"):
+        assert forbidden not in source
