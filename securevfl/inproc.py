@@ -27,7 +27,7 @@ def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
     """Run every role as a thread; returns (exit status, metrics.json content or None)."""
     import torch
 
-    from securevfl.launcher import prepare_run_dir
+    from securevfl.launcher import overall_status, prepare_run_dir
     from securevfl.roles.active import run_active
     from securevfl.roles.aggregator import run_aggregator
     from securevfl.roles.party import run_party
@@ -83,9 +83,7 @@ def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
     for t in threads:
         t.join()
     context.term()
-    failed = {r: c for r, c in codes.items() if c != 0}
-    code = next((c for c in (P.EXIT_CONFIG, P.EXIT_BUDGET, P.EXIT_PEER_LOST)
-                 if c in failed.values()), P.EXIT_ERROR if failed else P.EXIT_OK)
+    code = overall_status(codes, active=cfg.active_name, run_dir=out)
     metrics_path = out / "metrics.json"
     metrics = json.loads(metrics_path.read_text()) if code == 0 and metrics_path.exists() else None
     return code, metrics

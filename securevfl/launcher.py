@@ -106,19 +106,24 @@ def launch(config_path: Path, *, out: Path, resume: bool = False,
     (out / "pids.json").write_text(
         "{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n"
     )
-    return supervise(procs, grace=cfg.peer_timeout + 10.0, active=cfg.active_name)
+    return supervise(procs, grace=cfg.peer_timeout + 10.0, active=cfg.active_name, run_dir=out)
 
 
-def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str) -> int:
-    """Wait for every role. Once one fails, the others get `grace` seconds to stop on their own
-    (they learn of the failure through the aggregator) before they are terminated."""
+def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str, run_dir: Path) -> int:
+    """Wait for every role. If the aggregator or the active party fails, the others get `grace`
+    seconds to stop on their own before they are terminated. A failed passive party is the
+    aggregator's call: it aborts everyone (each role then stops within its deadline) or, for a
+    method that tolerates dropouts, goes on without it."""
     failed_at: float | None = None
+    coordinators = {"aggregator", active}
     try:
         while True:
             codes = {p.role: p.popen.poll() for p in procs}
             if all(c is not None for c in codes.values()):
                 break
-            if failed_at is None and any(c not in (None, 0) for c in codes.values()):
+            if failed_at is None and any(
+                codes[r] not in (None, 0) for r in coordinators
+            ):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 for p in procs:
@@ -142,6 +147,17 @@ def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str) -> int
             p.popen.wait()
         raise
     codes = {p.role: p.popen.returncode for p in procs}
+    return overall_status(codes, active=active, run_dir=run_dir)
+
+
+def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> int:
+    """The run's exit status from its roles' statuses. Parties the finished run lists as lost
+    (a dropout-tolerant method went on without them) do not fail it."""
+    if codes.get(active) == 0 and (run_dir / "metrics.json").exists():
+        import json
+
+        lost = set(json.loads((run_dir / "metrics.json").read_text()).get("lost_parties", []))
+        codes = {r: (0 if r in lost else c) for r, c in codes.items()}
     if all(c == 0 for c in codes.values()):
         return P.EXIT_OK
     failed = {r: c for r, c in codes.items() if c != 0}

@@ -179,6 +179,16 @@ def block_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.opt
                            weight_decay=cfg.weight_decay)
 
 
+def fit_scaler(values: np.ndarray, cfg: RunConfig) -> Standardizer:
+    """z-scores fitted on `values` (training rows), or the identity if `[data] standardize` is
+    false (empty cells still become 0)."""
+    scaler = Standardizer().fit(values)
+    if not cfg.standardize:
+        scaler.mean = np.zeros_like(scaler.mean)
+        scaler.std = np.ones_like(scaler.std)
+    return scaler
+
+
 def block_names(cfg: RunConfig) -> tuple[str, ...]:
     """The feature blocks: every passive party, then the active party if it holds columns."""
     return (*cfg.party_names, cfg.active_name) if cfg.active_columns else cfg.party_names
@@ -247,7 +257,8 @@ class BlockParty(PartyMethod):
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = np.asarray(inputs["train_ids"])
-        self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
+        self.scaler = fit_scaler(self.table.rows(train_ids[self.table.has(train_ids)]),
+                                 self.config)
         self._scaled = self.scaler.transform(self.table.values)
         self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}
                                     ).to(self.device)
@@ -522,7 +533,7 @@ class BlockActive(ActiveMethod):
         self.sync_dead(ctx)
         if ctx.start_epoch == 0 and self.own_name is not None:
             own_rows = self.table.rows(train_ids)
-            self.own_scaler.fit(own_rows[~np.all(np.isnan(own_rows), axis=1)])
+            self.own_scaler = fit_scaler(own_rows[~np.all(np.isnan(own_rows), axis=1)], cfg)
             self._own_scaled = None
         labels = self.table.label_rows(train_ids) if cfg.option("balanced", False) else None
         for epoch in range(ctx.start_epoch, cfg.epochs):

@@ -17,7 +17,7 @@ import numpy as np
 
 from securevfl.config import RunConfig
 from securevfl.data.table import ActiveTable, train_test_split
-from securevfl.methods import SumSpec, method_spec
+from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
@@ -60,6 +60,7 @@ class FederationContext:
             self.stage = stage_cls(sum_session, key_holder=self.key_holder)
         else:
             self.stage = stage_cls(sum_session)
+        self.lost: list[str] = []
         self.epoch_seconds: list[float] = []
         self.history: list[dict[str, float]] = []
         self._epoch_started = time.perf_counter()
@@ -97,6 +98,15 @@ class FederationContext:
                 break
             self.logger.warning("dropped %r for round %d while waiting for round %d", env.kind,
                                 env.round, self.round)
+        lost = [p for p in env.meta.get("lost", []) if p in self._parties]
+        if env.meta.get("lost"):
+            self._parties = tuple(p for p in self._parties if p not in lost)
+            self.lost.extend(lost)
+            self.logger.warning("party %s was lost during round %d (%s); continuing with %s",
+                                lost, self.round, op, list(self._parties))
+            print(f"party {', '.join(lost)} lost; continuing with {', '.join(self._parties)}",
+                  file=self.out, flush=True)
+            raise PartyDropped(lost[0] if lost else str(env.meta["lost"][0]))
         shapes = env.meta.get("shapes", {})
         out = {}
         for spec in sums:
@@ -216,6 +226,7 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
             "epoch_seconds": ctx.epoch_seconds,
             "wall_seconds": time.perf_counter() - started,
             "rounds": ctx.round,
+            "lost_parties": ctx.lost,
             "roles": roles,
             **method.summary(),
         }

@@ -30,6 +30,11 @@ class Aggregator:
         self.stage = None
         self.session: bytes | None = None
         self.last_round = -1
+        self.dead: set[str] = set()
+        from securevfl.methods import method_spec
+
+        # methods such as LASER-VFL go on without a lost party; the others stop, resumable
+        self.tolerates_dropout = bool(method_spec(cfg.method).active.tolerates_dropout)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -37,8 +42,13 @@ class Aggregator:
         try:
             self._handshake()
             while True:
-                env = self._recv(timeout=self.cfg.round_timeout + self.cfg.peer_timeout,
-                                 waiting_for=f"a call from {self.active}")
+                try:
+                    env = self._recv(timeout=self.cfg.round_timeout + self.cfg.peer_timeout,
+                                     waiting_for=f"a call from {self.active}")
+                except P.RunAborted as exc:
+                    if not self._drop(exc):
+                        raise
+                    continue
                 if env.sender != self.active:
                     self.logger.warning("dropped %r from %s outside a round", env.kind, env.sender)
                     continue
@@ -147,6 +157,10 @@ class Aggregator:
                             key=spec.key, what=f"aggregator, op {env.meta.get('op')!r}")
             except GroupTooSmall as exc:
                 raise P.RunAborted(str(exc)) from None
+        gone = sorted(set(to) & self.dead)
+        if gone:  # the active party has not yet heard of the loss: tell it, run nothing
+            self._tell_lost(env, gone)
+            return
         if env.meta.get("op") == P.OP_SETUP:
             ckks = env.tensors.get("ckks_context")
             self.stage = backend(self.cfg.aggregation).aggregator(SumSession(
@@ -161,8 +175,18 @@ class Aggregator:
         replies: dict[str, Envelope] = {}
         while len(replies) < len(to):
             waiting = sorted(set(to) - set(replies))
-            reply = self._recv(timeout=self.cfg.round_timeout,
-                               waiting_for=f"round {env.round} contributions from {waiting}")
+            try:
+                reply = self._recv(timeout=self.cfg.round_timeout,
+                                   waiting_for=f"round {env.round} contributions from {waiting}")
+            except P.RunAborted as exc:
+                if not self._drop(exc):
+                    raise
+                if exc.lost in to:
+                    # the round cannot complete: discard the survivors' contributions (their
+                    # masks were for this group) and let the active party re-run it
+                    self._tell_lost(env, [exc.lost])
+                    return
+                continue
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
                 self.logger.warning("dropped %r for round %d from %s during round %d",
                                     reply.kind, reply.round, reply.sender, env.round)
@@ -196,15 +220,35 @@ class Aggregator:
                                             round=env.round, tensors=tensors,
                                             meta={"shapes": shapes}))
 
+    def _drop(self, exc: P.RunAborted) -> bool:
+        """Record a lost passive party if the method can go on without it."""
+        lost = exc.lost
+        if not (self.tolerates_dropout and lost in self.parties and lost not in self.dead):
+            return False
+        self.dead.add(lost)
+        self.hub.forget(lost)
+        self.logger.warning("lost party %r: %s; continuing without it (%s treats its block as "
+                            "missing from now on)", lost, exc, self.cfg.method)
+        if len(self.parties - self.dead) == 0:
+            return False
+        return True
+
+    def _tell_lost(self, env: Envelope, lost: list[str]) -> None:
+        self.hub.send(self.active, Envelope(kind=P.RESULT, sender=AGGREGATOR, session=env.session,
+                                            round=env.round, meta={"lost": lost, "shapes": {}}))
+
     def _finish(self, env: Envelope) -> None:
         stats: dict[str, Any] = {}
-        for party in sorted(self.parties):
+        alive = sorted(self.parties - self.dead)
+        for party in alive:
             self.hub.send(party, Envelope(kind=P.BYE, sender=AGGREGATOR, session=env.session,
                                           round=env.round))
-        while len(stats) < len(self.parties):
+        while len(stats) < len(alive):
             reply = self._recv(timeout=self.cfg.round_timeout, waiting_for="the parties' stats")
-            if reply.kind == P.STATS and reply.sender in self.parties:
+            if reply.kind == P.STATS and reply.sender in alive:
                 stats.update(reply.meta.get("stats", {}))
+        for party in sorted(self.dead):
+            stats[party] = {"lost": True}
         stats[AGGREGATOR] = {"pid": os.getpid(), "host": socket.gethostname(),
                              "bytes_sent": int(self.hub.bytes_sent),
                              "bytes_received": int(self.hub.bytes_received),

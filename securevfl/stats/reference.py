@@ -179,10 +179,14 @@ def observed_loglik(data: RegressionData, theta: Theta) -> float:
 
 def initial_theta(data: RegressionData, beta: np.ndarray | None = None) -> Theta:
     """The paper's start: available-case mu_k and Sigma_k, sigma^2 = var(y), and `beta`
-    ((beta_0, beta_1, ..., beta_K) stacked; zeros if None)."""
+    ((beta_0, beta_1, ..., beta_K) stacked, beta_0 left out if the model has no intercept, as
+    `ols` returns it; zeros if None)."""
     dims = data.dims
     if beta is None:
         beta = np.zeros(1 + sum(dims))
+    beta = np.asarray(beta, dtype=np.float64)
+    if len(beta) == sum(dims):
+        beta = np.concatenate([[0.0], beta])
     blocks, start = [], 1
     for zk, ok, p in zip(data.z, data.observed, dims, strict=True):
         mu, sigma = available_case_moments(zk, ok)
