@@ -2,7 +2,8 @@
 (X1..X20 in four parties of five columns), batch 256, representation width 16, with `plain`,
 `mask` and `ckks`, each a real multi-process federation over loopback ZeroMQ with CURVE.
 
-    python bench/overhead.py --data ../shared/data/credit_default.csv --out bench/results/overhead.json
+    python bench/overhead.py --data ../shared/data/credit_default.csv \
+        --out bench/results/overhead.json
 
 Writes the JSON (epoch seconds, bytes per role, ratios to plain) and a PNG bar chart next to it.
 """
@@ -66,11 +67,15 @@ def run_one(aggregation: str, *, data: Path, epochs: int, seed: int, work: Path)
     d = work / aggregation
     d.mkdir(parents=True, exist_ok=True)
     config = d / "config.toml"
-    config.write_text(CONFIG.format(aggregation=aggregation, seed=seed, data=data.resolve(),
-                                    epochs=epochs))
+    config.write_text(
+        CONFIG.format(aggregation=aggregation, seed=seed, data=data.resolve(), epochs=epochs)
+    )
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "securevfl", "run", str(config), "--out",
-                           str(d / "run")], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(d / "run")],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{aggregation} run failed:\n{done.stderr[-3000:]}")
     metrics = json.loads((d / "run" / "metrics.json").read_text())
@@ -80,8 +85,10 @@ def run_one(aggregation: str, *, data: Path, epochs: int, seed: int, work: Path)
         "median_epoch_seconds": statistics.median(metrics["epoch_seconds"]),
         "wall_seconds": time.perf_counter() - started,
         "test": metrics["test"],
-        "bytes": {r: {"sent": v["bytes_sent"], "received": v["bytes_received"]}
-                  for r, v in metrics["roles"].items()},
+        "bytes": {
+            r: {"sent": v["bytes_sent"], "received": v["bytes_received"]}
+            for r, v in metrics["roles"].items()
+        },
         "party_bytes_sent_per_epoch": metrics["roles"]["p1"]["bytes_sent"] / epochs,
     }
 
@@ -94,19 +101,30 @@ def plot(results: dict, path: Path) -> None:
 
     names = list(results["runs"])
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(names, [results["runs"][n]["median_epoch_seconds"] for n in names],
-                color=["#888", "#2a7", "#27c"])
+    axes[0].bar(
+        names,
+        [results["runs"][n]["median_epoch_seconds"] for n in names],
+        color=["#888", "#2a7", "#27c"],
+    )
     axes[0].set_ylabel("median epoch time (s)")
     axes[0].set_title("split-NN, Credit, 4 parties, batch 256")
-    axes[1].bar(names, [results["runs"][n]["party_bytes_sent_per_epoch"] / 2**20 for n in names],
-                color=["#888", "#2a7", "#27c"])
+    axes[1].bar(
+        names,
+        [results["runs"][n]["party_bytes_sent_per_epoch"] / 2**20 for n in names],
+        color=["#888", "#2a7", "#27c"],
+    )
     axes[1].set_ylabel("MiB sent per party per epoch")
     axes[1].set_yscale("log")
     for ax in axes:
         for i, n in enumerate(names):
             if n != "plain":
-                ax.annotate(f"{results['ratios'][n]['epoch_time' if ax is axes[0] else 'bytes']:.1f}x",
-                            (i, 0), textcoords="offset points", xytext=(0, 4), ha="center")
+                ax.annotate(
+                    f"{results['ratios'][n]['epoch_time' if ax is axes[0] else 'bytes']:.1f}x",
+                    (i, 0),
+                    textcoords="offset points",
+                    xytext=(0, 4),
+                    ha="center",
+                )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -125,24 +143,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for aggregation in args.aggregations.split(","):
             print(f"running {aggregation} ...", flush=True)
-            runs[aggregation] = run_one(aggregation, data=args.data, epochs=args.epochs,
-                                        seed=args.seed, work=Path(tmp))
+            runs[aggregation] = run_one(
+                aggregation, data=args.data, epochs=args.epochs, seed=args.seed, work=Path(tmp)
+            )
             r = runs[aggregation]
-            print(f"  median epoch {r['median_epoch_seconds']:.2f} s, "
-                  f"{r['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch, test {r['test']}")
+            print(
+                f"  median epoch {r['median_epoch_seconds']:.2f} s, "
+                f"{r['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch, test {r['test']}"
+            )
     base = runs["plain"]
     ratios = {
-        n: {"epoch_time": r["median_epoch_seconds"] / base["median_epoch_seconds"],
-            "bytes": r["party_bytes_sent_per_epoch"] / base["party_bytes_sent_per_epoch"]}
+        n: {
+            "epoch_time": r["median_epoch_seconds"] / base["median_epoch_seconds"],
+            "bytes": r["party_bytes_sent_per_epoch"] / base["party_bytes_sent_per_epoch"],
+        }
         for n, r in runs.items()
     }
-    results = {"benchmark": "split-NN Credit 4x5 columns, batch 256, width 16",
-               "epochs": args.epochs, "runs": runs, "ratios": ratios,
-               "reference": {"FATE hetero-NN Paillier vs plain (published)": 143.0}}
+    results = {
+        "benchmark": "split-NN Credit 4x5 columns, batch 256, width 16",
+        "epochs": args.epochs,
+        "runs": runs,
+        "ratios": ratios,
+        "reference": {"FATE hetero-NN Paillier vs plain (published)": 143.0},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out.with_suffix(".png"))
-    print("ratios to plain:", {n: {k: round(v, 2) for k, v in r.items()} for n, r in ratios.items()})
+    print(
+        "ratios to plain:", {n: {k: round(v, 2) for k, v in r.items()} for n, r in ratios.items()}
+    )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

@@ -513,6 +513,33 @@ class CkksPublic:
             chunks.append(vector.serialize())
         return PackedCiphertexts(chunks=chunks, length=int(flat.size))
 
+    def load_contribution(self, frames: Sequence[bytes | bytearray | memoryview]) -> list[Any]:
+        """Parse and check every chunk of one contributor's frames (for an aggregator that
+        validates each contribution as it arrives, so a malformed one is rejected alone).
+        Returns loaded vectors for :meth:`add_loaded`; refuses like :meth:`add`."""
+        packed = self.packed_from_frames(frames)
+        self._codec.check_layout(packed, what="contribution")
+        return [
+            self._codec.load(c, expected_len=_chunk_length(i, packed.length, self.slots),
+                             what=f"chunk {i}")
+            for i, c in enumerate(packed.chunks)
+        ]
+
+    def add_loaded(self, contributions: Sequence[list[Any]]) -> PackedCiphertexts:
+        """Sum contributions already loaded by :meth:`load_contribution` (consumes them)."""
+        if not contributions:
+            raise CkksError("add needs at least one contribution, got none.")
+        sizes = [[v.size() for v in c] for c in contributions]
+        if any(s != sizes[0] for s in sizes):
+            raise CkksError("contributions to one sum must have the same chunk layout; "
+                            f"got value counts {sizes}.")
+        totals = contributions[0]
+        for other in contributions[1:]:
+            for total, vector in zip(totals, other, strict=True):
+                total.add_(vector)
+        return PackedCiphertexts(chunks=[t.serialize() for t in totals],
+                                 length=int(sum(sizes[0])))
+
     def add(self, contributions: Sequence[PackedCiphertexts]) -> PackedCiphertexts:
         """Homomorphic sum of the contributions, chunk by chunk.
 

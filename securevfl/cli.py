@@ -80,6 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
 
+    audit = sub.add_parser(
+        "audit", help="the privacy spent in a run: epsilon per role and mechanism, from its ledger",
+        description="Recompute epsilon(delta) per role and mechanism from RUN_DIR/ledger.jsonl "
+                    "alone, and list the releases with no formal guarantee.")
+    audit.add_argument("run_dir", type=Path, help="the run directory (holds ledger.jsonl)")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.add_argument("--accountant", choices=["rdp", "prv"],
+                       help="Opacus accountant (default: the run's [privacy] accountant)")
+    audit.add_argument("--delta", type=float,
+                       help="report epsilon at this delta (default: the delta the run recorded)")
+    audit.add_argument("--attack", action="store_true",
+                       help="also run label inference on the gradients each passive party "
+                            "received (needs [privacy] record_received = true and the active "
+                            "party's labels; binary tasks)")
+    audit.add_argument("--labels", type=Path,
+                       help="the active party's CSV with the labels, for --attack "
+                            "(default: RUN_DIR/data/<active>.csv)")
+
     return parser
 
 
@@ -99,6 +117,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from securevfl.launcher import launch
 
+        _check_privacy(load_config(args.config, overrides=_overrides(args.set)))
         return launch(args.config, out=args.out, resume=args.resume,
                       overrides=_overrides(args.set), override_args=args.set)
     if args.command in ("aggregator", "active", "party"):
@@ -116,7 +135,56 @@ def _dispatch(args: argparse.Namespace) -> int:
         from securevfl.demo import run_demo
 
         return run_demo(out=args.out, aggregation=args.aggregation)
+    if args.command == "audit":
+        return _audit(args)
     raise AssertionError(args.command)
+
+
+def _check_privacy(cfg: RunConfig) -> None:
+    """Fail before any process starts on a privacy setting that needs N to be judged (delta
+    >= 1/N, a budget that cannot pay for one step, an unreachable target epsilon). N is read
+    from the table as the split will make it; the active party checks again with the exact N."""
+    dp = [cfg.label_dp, cfg.head_dp_sgd, cfg.delta, cfg.active_max_epsilon,
+          *(x for p in cfg.parties for x in (p.embedding_dp, p.dp_sgd, p.max_epsilon))]
+    if all(x is None for x in dp):
+        return
+    from securevfl.data.table import DataError, read_csv_columns, train_test_split
+    from securevfl.privacy.runtime import check_federation
+
+    try:
+        ids, _, labels = read_csv_columns(cfg.data_path, id_column=cfg.id_column, columns=[],
+                                          label=cfg.label)
+    except DataError as exc:
+        raise ConfigError("[data] path", str(exc)) from None
+    train, _ = train_test_split(ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
+                                labels=labels, stratify=cfg.task != "regression")
+    check_federation(cfg, n_train=len(train))
+
+
+def _audit(args: argparse.Namespace) -> int:
+    import json
+    import warnings
+
+    from securevfl.privacy.audit import format_report
+    from securevfl.privacy.run_audit import AuditError, audit_run
+
+    if args.delta is not None and not 0.0 < args.delta < 1.0:
+        raise ConfigError("--delta", f"must be in (0, 1), got {args.delta}")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = audit_run(args.run_dir, accountant=args.accountant, delta=args.delta,
+                               attack=args.attack, labels=args.labels)
+    except AuditError as exc:
+        print(f"securevfl audit: {exc}", file=sys.stderr)
+        return P.EXIT_CONFIG
+    for w in caught:  # e.g. PRV falling back to RDP: say so, once, without a traceback
+        print(f"securevfl audit: warning: {w.message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        print(format_report(report), end="")
+    return P.EXIT_OK
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -20,9 +20,15 @@ def write_breast_cancer_csv(path: Path) -> dict[str, list[str]]:
 
     data = load_breast_cancer()
     names = [n.replace(" ", "_") for n in data.feature_names]
-    write_csv(path, id_column="ID", ids=np.arange(1, len(data.target) + 1), columns=names,
-              values=data.data.astype(np.float64), label="Y",
-              labels=data.target.astype(np.float64))
+    write_csv(
+        path,
+        id_column="ID",
+        ids=np.arange(1, len(data.target) + 1),
+        columns=names,
+        values=data.data.astype(np.float64),
+        label="Y",
+        labels=data.target.astype(np.float64),
+    )
     return {
         "mean": [n for n in names if n.startswith("mean_")],
         "error": [n for n in names if n.endswith("_error")],
@@ -48,15 +54,19 @@ def run_demo(*, out: Path, aggregation: str = "mask") -> int:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     config = prepare_demo(out, aggregation=aggregation)
-    print(f"securevfl demo: breast-cancer table, 3 passive parties (mean / error / worst columns), "
-          f"labels at the active party, aggregation = {aggregation}")
+    print(
+        f"securevfl demo: breast-cancer table, 3 passive parties (mean / error / worst columns), "
+        f"labels at the active party, aggregation = {aggregation}"
+    )
     code = launch(config, out=run_dir)
     if code == 0:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         test = metrics["test"]
         pids = {r: v["pid"] for r, v in metrics["roles"].items()}
-        print(f"\ntest accuracy {test['accuracy']:.4f}  ROC-AUC {test['roc_auc']:.4f}  "
-              f"F1 {test['f1']:.4f}")
+        print(
+            f"\ntest accuracy {test['accuracy']:.4f}  ROC-AUC {test['roc_auc']:.4f}  "
+            f"F1 {test['f1']:.4f}"
+        )
         print(f"roles ran as separate processes: {pids}")
         print(f"run directory: {run_dir}  (metrics.json, logs/, checkpoints/)")
     return code

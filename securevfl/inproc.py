@@ -1,5 +1,7 @@
 """The fast path for experiments: the same roles and protocol code, every role a thread of this
-process, talking over ZeroMQ `inproc://` sockets (CURVE included) instead of TCP.
+process, talking over ZeroMQ `inproc://` sockets instead of TCP. Nothing crosses a network, and
+libzmq runs no CURVE over inproc, so the channel is unencrypted memory of this one process; the
+secure sums (masking) still run exactly as over TCP.
 
 Use it for sweeps and tests (`transport = "inproc"` or `run_federation`); `securevfl run` keeps
 one OS process per role by default. Not for ckks (it would put the secret key next to every
@@ -21,9 +23,14 @@ from securevfl.data.table import load_active_table, load_party_table, role_data_
 from securevfl.roles import protocol as P
 
 
-def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
-                   config_path: Path | None = None, stdout: IO[str] | None = None
-                   ) -> tuple[int, dict[str, Any] | None]:
+def run_federation(
+    cfg: RunConfig,
+    *,
+    out: Path,
+    resume: bool = False,
+    config_path: Path | None = None,
+    stdout: IO[str] | None = None,
+) -> tuple[int, dict[str, Any] | None]:
     """Run every role as a thread; returns (exit status, metrics.json content or None)."""
     import torch
 
@@ -60,26 +67,56 @@ def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
                 logger.error("%s", exc)
                 codes[role] = P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
             except Exception as exc:  # recorded; the others learn of it through the aggregator
+                from securevfl.cli import _exit_code_for
+
                 logger.exception("failed: %s", exc)
-                codes[role] = P.EXIT_ERROR
+                # the statuses `securevfl run` gives: 2 for a config error, 3 for a budget
+                codes[role] = P.EXIT_CONFIG if isinstance(exc, ConfigError) else _exit_code_for(exc)
 
         t = threading.Thread(target=body, name=f"securevfl-{role}", daemon=True)
         t.start()
         return t
 
-    threads = [role_thread("aggregator", run_aggregator, keys_dir=keys, bind=address,
-                           on_bound=lambda _endpoint: bound.set())]
+    threads = [
+        role_thread(
+            "aggregator",
+            run_aggregator,
+            keys_dir=keys,
+            bind=address,
+            on_bound=lambda _endpoint: bound.set(),
+        )
+    ]
     bound.wait(timeout=cfg.startup_timeout)
     for p in cfg.party_names:
         table = load_party_table(role_data_path(out, p), cfg, p)
-        threads.append(role_thread(p, run_party, name=p, run_dir=out, keys_dir=keys,
-                                   data_path=role_data_path(out, p), address=address,
-                                   device=device, table=table))
+        threads.append(
+            role_thread(
+                p,
+                run_party,
+                name=p,
+                run_dir=out,
+                keys_dir=keys,
+                data_path=role_data_path(out, p),
+                address=address,
+                device=device,
+                table=table,
+            )
+        )
     active_table = load_active_table(role_data_path(out, cfg.active_name), cfg)
-    threads.append(role_thread(cfg.active_name, run_active, run_dir=out, keys_dir=keys,
-                               data_path=role_data_path(out, cfg.active_name), address=address,
-                               device=device, resume=resume, table=active_table,
-                               out=stdout if stdout is not None else io.StringIO()))
+    threads.append(
+        role_thread(
+            cfg.active_name,
+            run_active,
+            run_dir=out,
+            keys_dir=keys,
+            data_path=role_data_path(out, cfg.active_name),
+            address=address,
+            device=device,
+            resume=resume,
+            table=active_table,
+            out=stdout if stdout is not None else io.StringIO(),
+        )
+    )
     for t in threads:
         t.join()
     context.term()
@@ -90,6 +127,5 @@ def run_federation(cfg: RunConfig, *, out: Path, resume: bool = False,
 
 
 def run_inproc(cfg: RunConfig, *, out: Path, resume: bool, config_path: Path) -> int:
-    code, _ = run_federation(cfg, out=out, resume=resume, config_path=config_path,
-                             stdout=None)
+    code, _ = run_federation(cfg, out=out, resume=resume, config_path=config_path, stdout=None)
     return code

@@ -53,7 +53,9 @@ def generate_keys(roles: Sequence[str], out: Path, *, overwrite: bool = False) -
     out = Path(out)
     public_path = out / "public.json"
     if public_path.exists() and not overwrite:
-        raise KeyMaterialError(f"{public_path} exists; pass --force to replace the federation's keys")
+        raise KeyMaterialError(
+            f"{public_path} exists; pass --force to replace the federation's keys"
+        )
     (out / "secret").mkdir(parents=True, exist_ok=True)
     os.chmod(out / "secret", 0o700)
     public: dict[str, dict[str, str]] = {}
@@ -63,8 +65,11 @@ def generate_keys(roles: Sequence[str], out: Path, *, overwrite: bool = False) -
         secret_path = out / "secret" / f"{role}.json"
         fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump({"format": FORMAT, "role": role, "curve": curve.to_json(),
-                       "mask": mask.to_json()}, fh, indent=2)
+            json.dump(
+                {"format": FORMAT, "role": role, "curve": curve.to_json(), "mask": mask.to_json()},
+                fh,
+                indent=2,
+            )
         public[role] = {"curve": curve.public.decode("ascii"), "mask": mask.public.hex()}
     public_path.write_text(json.dumps({"format": FORMAT, "roles": public}, indent=2) + "\n")
     return public_path
@@ -77,12 +82,14 @@ def load_public(keys_dir: Path) -> FederationPublicKeys:
     except FileNotFoundError:
         raise KeyMaterialError(
             f"{path} does not exist; create the federation's keys with "
-            "`securevfl keys --config CONFIG --out DIR` and set [network] keys = \"DIR\""
+            '`securevfl keys --config CONFIG --out DIR` and set [network] keys = "DIR"'
         ) from None
     except json.JSONDecodeError as exc:
         raise KeyMaterialError(f"{path} is not valid JSON ({exc})") from None
     if data.get("format") != FORMAT:
-        raise KeyMaterialError(f"{path}: unknown format {data.get('format')!r}, expected {FORMAT!r}")
+        raise KeyMaterialError(
+            f"{path}: unknown format {data.get('format')!r}, expected {FORMAT!r}"
+        )
     curve, mask = {}, {}
     for role, entry in data["roles"].items():
         curve[role] = entry["curve"].encode("ascii")

@@ -47,41 +47,79 @@ def prepare_run_dir(cfg: RunConfig, config_path: Path, out: Path, *, resume: boo
         missing = [r for r in cfg.role_names if not role_data_path(out, r).exists()]
         if missing or not (keys / "public.json").exists():
             raise ConfigError(
-                "--resume", f"{out} holds no run to resume (no data files for {missing} or no "
-                "keys); start it without --resume first"
+                "--resume",
+                f"{out} holds no run to resume (no data files for {missing} or no "
+                "keys); start it without --resume first",
             )
         return keys
     if any(epochs(out, r) for r in cfg.role_names) or (out / "metrics.json").exists():
         raise ConfigError(
-            "--out", f"{out} already holds a run; continue it with --resume, or choose another "
-            "--out directory"
+            "--out",
+            f"{out} already holds a run; continue it with --resume, or choose another "
+            "--out directory",
         )
     split_federation(cfg, out)
-    if Path(config_path).resolve() != (out / "config.toml").resolve() and Path(config_path).exists():
+    if (
+        Path(config_path).resolve() != (out / "config.toml").resolve()
+        and Path(config_path).exists()
+    ):
         shutil.copyfile(config_path, out / "config.toml")
     generate_keys(cfg.role_names, keys, overwrite=True)
     return keys
 
 
-def role_commands(config_path: Path, cfg: RunConfig, *, out: Path, keys: Path, address: str,
-                  resume: bool, overrides: Sequence[str] = ()) -> dict[str, list[str]]:
+def role_commands(
+    config_path: Path,
+    cfg: RunConfig,
+    *,
+    out: Path,
+    keys: Path,
+    address: str,
+    resume: bool,
+    overrides: Sequence[str] = (),
+) -> dict[str, list[str]]:
     base = [sys.executable, "-m", "securevfl"]
     common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
     for o in overrides:
         common += ["--set", o]
     extra = ["--resume"] if resume else []
     cmds = {"aggregator": [*base, "aggregator", *common, "--bind", address]}
-    cmds[cfg.active_name] = [*base, "active", *common, "--address", address,
-                             "--data", str(role_data_path(out, cfg.active_name)), *extra]
+    cmds[cfg.active_name] = [
+        *base,
+        "active",
+        *common,
+        "--address",
+        address,
+        "--data",
+        str(role_data_path(out, cfg.active_name)),
+        *extra,
+    ]
     for p in cfg.party_names:
-        cmds[p] = [*base, "party", *common, "--name", p, "--address", address,
-                   "--data", str(role_data_path(out, p)), *extra]
+        cmds[p] = [
+            *base,
+            "party",
+            *common,
+            "--name",
+            p,
+            "--address",
+            address,
+            "--data",
+            str(role_data_path(out, p)),
+            *extra,
+        ]
     return cmds
 
 
-def launch(config_path: Path, *, out: Path, resume: bool = False,
-           overrides: Mapping[str, Any] | None = None, override_args: Sequence[str] = (),
-           stdout: IO[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+def launch(
+    config_path: Path,
+    *,
+    out: Path,
+    resume: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    override_args: Sequence[str] = (),
+    stdout: IO[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
     """Run the federation; returns the exit status (0 ok, 2 config, 3 budget, 4 lost peer)."""
     cfg = load_config(config_path, overrides=overrides)
     if cfg.transport == "inproc":
@@ -91,21 +129,33 @@ def launch(config_path: Path, *, out: Path, resume: bool = False,
     out = Path(out).resolve()
     keys = prepare_run_dir(cfg, Path(config_path), out, resume=resume)
     address = f"tcp://127.0.0.1:{free_port()}"
-    cmds = role_commands(Path(config_path).resolve(), cfg, out=out, keys=keys, address=address,
-                         resume=resume, overrides=override_args)
+    cmds = role_commands(
+        Path(config_path).resolve(),
+        cfg,
+        out=out,
+        keys=keys,
+        address=address,
+        resume=resume,
+        overrides=override_args,
+    )
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share the cores
     procs: list[RoleProcess] = []
     for role, cmd in cmds.items():
         is_active = role == cfg.active_name
-        procs.append(RoleProcess(role, subprocess.Popen(
-            cmd, env=child_env, stdout=(stdout or sys.stdout) if is_active else subprocess.DEVNULL,
-        )))
+        procs.append(
+            RoleProcess(
+                role,
+                subprocess.Popen(
+                    cmd,
+                    env=child_env,
+                    stdout=(stdout or sys.stdout) if is_active else subprocess.DEVNULL,
+                ),
+            )
+        )
         if role == "aggregator":
             time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
-    (out / "pids.json").write_text(
-        "{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n"
-    )
+    (out / "pids.json").write_text("{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n")
     return supervise(procs, grace=cfg.peer_timeout + 10.0, active=cfg.active_name, run_dir=out)
 
 
@@ -121,15 +171,16 @@ def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str, run_di
             codes = {p.role: p.popen.poll() for p in procs}
             if all(c is not None for c in codes.values()):
                 break
-            if failed_at is None and any(
-                codes[r] not in (None, 0) for r in coordinators
-            ):
+            if failed_at is None and any(codes[r] not in (None, 0) for r in coordinators):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 for p in procs:
                     if p.popen.poll() is None:
-                        print(f"securevfl: {p.role} did not stop within {grace:.0f} s of the "
-                              "failure; terminating it", file=sys.stderr)
+                        print(
+                            f"securevfl: {p.role} did not stop within {grace:.0f} s of the "
+                            "failure; terminating it",
+                            file=sys.stderr,
+                        )
                         p.popen.terminate()
                 for p in procs:
                     try:

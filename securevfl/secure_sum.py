@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -63,21 +63,46 @@ class PartySumStage(ABC):
         self.s = s
 
     @abstractmethod
-    def protect(self, x: np.ndarray, *, round: int, group: Sequence[str], key: str
-                ) -> dict[str, np.ndarray]:
+    def protect(
+        self, x: np.ndarray, *, round: int, group: Sequence[str], key: str
+    ) -> dict[str, np.ndarray]:
         """Arrays to send for this party's contribution `x` to sum `key` over `group`."""
 
 
 class AggregatorSumStage(ABC):
+    """Validates each contribution as it arrives (`accept`, so one malformed contribution is
+    rejected alone and the aggregator keeps serving), then adds exactly the group's."""
+
     backend: ClassVar[str]
 
     def __init__(self, s: SumSession) -> None:
         self.s = s
 
     @abstractmethod
-    def combine(self, contributions: Mapping[str, Mapping[str, np.ndarray]], *,
-                group: Sequence[str], key: str) -> dict[str, np.ndarray]:
-        """Add the contributions (party -> its arrays) of exactly `group`."""
+    def accept(self, arrays: Mapping[str, np.ndarray], *, key: str, sender: str) -> Any:
+        """Check one contribution to sum `key`; return it in the form `combine_accepted` adds.
+        Raises ContributionError naming the sender and the problem."""
+
+    @abstractmethod
+    def combine_accepted(
+        self, accepted: Mapping[str, Any], *, group: Sequence[str], key: str
+    ) -> dict[str, np.ndarray]:
+        """Add the accepted contributions of exactly `group`."""
+
+    def combine(
+        self,
+        contributions: Mapping[str, Mapping[str, np.ndarray]],
+        *,
+        group: Sequence[str],
+        key: str,
+    ) -> dict[str, np.ndarray]:
+        """Accept then add the contributions (party -> its arrays) of exactly `group`."""
+        _check_members(contributions, group, key)
+        return self.combine_accepted(
+            {p: self.accept(a, key=key, sender=p) for p, a in contributions.items()},
+            group=group,
+            key=key,
+        )
 
 
 class ActiveSumStage(ABC):
@@ -87,8 +112,14 @@ class ActiveSumStage(ABC):
         self.s = s
 
     @abstractmethod
-    def reveal(self, combined: Mapping[str, np.ndarray], *, group: Sequence[str], key: str,
-               shape: tuple[int, ...]) -> np.ndarray:
+    def reveal(
+        self,
+        combined: Mapping[str, np.ndarray],
+        *,
+        group: Sequence[str],
+        key: str,
+        shape: tuple[int, ...],
+    ) -> np.ndarray:
         """The float64 sum, of `shape`."""
 
 
@@ -120,13 +151,20 @@ class PlainParty(PartySumStage):
 class PlainAggregator(AggregatorSumStage):
     backend = "plain"
 
-    def combine(self, contributions, *, group, key):
-        _check_members(contributions, group, key)
-        arrays = [_one(a, key, p).astype(np.float64) for p, a in contributions.items()]
-        shapes = {a.shape for a in arrays}
+    def accept(self, arrays, *, key, sender):
+        a = _one(arrays, key, sender)
+        if a.dtype.kind != "f":
+            raise ContributionError(
+                f"{sender}: plain contribution to {key!r} is {a.dtype}, not floating point"
+            )
+        return a
+
+    def combine_accepted(self, accepted, *, group, key):
+        _check_members(accepted, group, key)
+        shapes = {a.shape for a in accepted.values()}
         if len(shapes) != 1:
             raise ContributionError(f"sum {key!r}: contributions have different shapes {shapes}")
-        return {key: np.sum(arrays, axis=0)}
+        return {key: np.sum([a.astype(np.float64) for a in accepted.values()], axis=0)}
 
 
 class PlainActive(ActiveSumStage):
@@ -152,26 +190,41 @@ class MaskParty(PartySumStage):
             raise ValueError(f"{s.name}: mask aggregation needs this party's masking key pair")
         self.encoder = _encoder(s)
         self.masker = MaskedSumParty(
-            name=s.name, keypair=s.mask_keypair, peer_publics=dict(s.mask_publics),
-            session=s.session, encoder=self.encoder,
+            name=s.name,
+            keypair=s.mask_keypair,
+            peer_publics=dict(s.mask_publics),
+            session=s.session,
+            encoder=self.encoder,
         )
 
     def protect(self, x, *, round, group, key):
         check_group("mask", group, min_group=self.s.min_group, key=key, what=f"party {self.s.name}")
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
-        return {key: self.masker.mask(np.asarray(x, dtype=np.float64), round=round, group=group,
-                                      tensor=key)}
+        return {
+            key: self.masker.mask(
+                np.asarray(x, dtype=np.float64), round=round, group=group, tensor=key
+            )
+        }
 
 
 class MaskAggregator(AggregatorSumStage):
     backend = "mask"
 
-    def combine(self, contributions, *, group, key):
+    def accept(self, arrays, *, key, sender):
+        a = _one(arrays, key, sender)
+        if a.dtype != np.uint64:
+            raise ContributionError(
+                f"{sender}: masked contribution to {key!r} is {a.dtype}, not uint64 ring elements"
+            )
+        return a
+
+    def combine_accepted(self, accepted, *, group, key):
         check_group("mask", group, min_group=self.s.min_group, key=key, what="aggregator")
-        _check_members(contributions, group, key)
-        arrays = {p: _one(a, key, p) for p, a in contributions.items()}
-        return {key: MaskedSumAggregator.add(arrays, group=group)}
+        _check_members(accepted, group, key)
+        if len(group) == 1:  # explicit min_group = 1: nothing to add
+            return {key: np.array(accepted[group[0]], dtype=np.uint64)}
+        return {key: MaskedSumAggregator.add(dict(accepted), group=group)}
 
 
 class MaskActive(ActiveSumStage):
@@ -191,10 +244,10 @@ class MaskActive(ActiveSumStage):
 
 def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]:
     prefix = f"{key}/"
-    names = sorted((n for n in arrays if n.startswith(prefix)), key=lambda n: int(n[len(prefix):]))
+    names = sorted((n for n in arrays if n.startswith(prefix)), key=lambda n: int(n[len(prefix) :]))
     if not names or len(names) != len(arrays):
         raise ContributionError(f"{who} sent tensors {sorted(arrays)[:5]} for CKKS sum {key!r}")
-    if [int(n[len(prefix):]) for n in names] != list(range(len(names))):
+    if [int(n[len(prefix) :]) for n in names] != list(range(len(names))):
         raise ContributionError(f"{who}: CKKS chunks of {key!r} are not numbered 0..n-1")
     return [arrays[n].tobytes() for n in names]
 
@@ -231,12 +284,25 @@ class CkksAggregator(AggregatorSumStage):
             raise ValueError("the aggregator needs the key holder's public CKKS context")
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
 
-    def combine(self, contributions, *, group, key):
+    def accept(self, arrays, *, key, sender):
+        from crypto.ckks import CkksError
+
+        try:
+            return self.public.load_contribution(_chunks(arrays, key, sender))
+        except CkksError as exc:
+            raise ContributionError(
+                f"{sender}: rejected CKKS contribution to {key!r}: {exc}"
+            ) from None
+
+    def combine_accepted(self, accepted, *, group, key):
+        from crypto.ckks import CkksError
+
         check_group("ckks", group, min_group=self.s.min_group, key=key, what="aggregator")
-        _check_members(contributions, group, key)
-        packs = [self.public.packed_from_frames(_chunks(arrays, key, p))
-                 for p, arrays in contributions.items()]
-        total = self.public.add(packs)
+        _check_members(accepted, group, key)
+        try:
+            total = self.public.add_loaded([accepted[p] for p in sorted(accepted)])
+        except CkksError as exc:
+            raise ContributionError(f"sum {key!r}: {exc}") from None
         return _chunk_arrays(key, total.chunks)
 
 
@@ -278,8 +344,15 @@ def backend(name: str) -> SecureSumBackend:
         raise KeyError(f"unknown aggregation {name!r}; choose one of {sorted(BACKENDS)}") from None
 
 
-def ckks_context_tag(*, context: bytes, my_keypair: MaskingKeyPair, peer: str, me: str,
-                     peer_public: bytes, session: bytes) -> bytes:
+def ckks_context_tag(
+    *,
+    context: bytes,
+    my_keypair: MaskingKeyPair,
+    peer: str,
+    me: str,
+    peer_public: bytes,
+    session: bytes,
+) -> bytes:
     """End-to-end authentication of the CKKS public context between the key holder and one
     party: HMAC-SHA256 under their pairwise X25519/HKDF key, which the aggregator (who forwards
     the context) cannot compute. Stops an aggregator from substituting a context it can decrypt."""
@@ -288,6 +361,7 @@ def ckks_context_tag(*, context: bytes, my_keypair: MaskingKeyPair, peer: str, m
 
     from crypto import pair_key
 
-    key = pair_key(my_private=my_keypair.private, peer_public=peer_public, session=session,
-                   me=me, peer=peer)
+    key = pair_key(
+        my_private=my_keypair.private, peer_public=peer_public, session=session, me=me, peer=peer
+    )
     return hmac.new(key, b"securevfl/ckks-context/v1" + context, hashlib.sha256).digest()

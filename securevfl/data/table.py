@@ -49,7 +49,9 @@ class PartyTable:
         ok = (len(self.ids) > 0) & (self.ids[pos] == ids)
         if not np.all(ok):
             missing = ids[~ok][:5].tolist()
-            raise DataError(f"{int((~ok).sum())} requested sample ids are not in this table, e.g. {missing}")
+            raise DataError(
+                f"{int((~ok).sum())} requested sample ids are not in this table, e.g. {missing}"
+            )
         return pos
 
     def has(self, ids: np.ndarray) -> np.ndarray:
@@ -80,8 +82,9 @@ class ActiveTable(PartyTable):
         return self.labels[self.positions(ids)]
 
 
-def read_csv_columns(path: Path, *, id_column: str, columns: Sequence[str], label: str | None = None
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def read_csv_columns(
+    path: Path, *, id_column: str, columns: Sequence[str], label: str | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Read the id column, `columns` (float, empty cell -> NaN) and optionally the label.
 
     Raises DataError naming the file and the first bad column or value."""
@@ -138,8 +141,16 @@ def _cell(text: str, path: Path, line_no: int, column: str) -> float:
         ) from None
 
 
-def write_csv(path: Path, *, id_column: str, ids: np.ndarray, columns: Sequence[str],
-              values: np.ndarray, label: str | None = None, labels: np.ndarray | None = None) -> None:
+def write_csv(
+    path: Path,
+    *,
+    id_column: str,
+    ids: np.ndarray,
+    columns: Sequence[str],
+    values: np.ndarray,
+    label: str | None = None,
+    labels: np.ndarray | None = None,
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
@@ -180,31 +191,48 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
     ]:
         blocks[role] = values[:, offset : offset + len(cols)]
         offset += len(cols)
-    present = np.stack(
-        [~np.all(np.isnan(blocks[p]), axis=1) for p in cfg.party_names], axis=1
+    present = np.stack([~np.all(np.isnan(blocks[p]), axis=1) for p in cfg.party_names], axis=1)
+    _, test_ids = train_test_split(
+        ids,
+        test_fraction=cfg.test_fraction,
+        seed=cfg.seed,
+        labels=labels,
+        stratify=cfg.task != "regression",
     )
-    _, test_ids = train_test_split(ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
-                                   labels=labels, stratify=cfg.task != "regression")
     is_test = np.isin(ids, test_ids)
-    for split, spec, rows in (("train", cfg.missing_train, ~is_test),
-                              ("test", cfg.missing_test, is_test)):
+    for split, spec, rows in (
+        ("train", cfg.missing_train, ~is_test),
+        ("test", cfg.missing_test, is_test),
+    ):
         sub = {p: blocks[p][rows] for p in cfg.party_names}
-        present[rows] &= presence(spec, parties=cfg.party_names, n_rows=int(rows.sum()),
-                                  seed=cfg.seed, split=split, features=sub)
+        present[rows] &= presence(
+            spec,
+            parties=cfg.party_names,
+            n_rows=int(rows.sum()),
+            seed=cfg.seed,
+            split=split,
+            features=sub,
+        )
     keep = present.any(axis=1)
     out: dict[str, Path] = {}
     for role, block in blocks.items():
         is_active = role == cfg.active_name
         # the active party keeps every row (and so the same train/test split); it learns at
         # set-up which rows each party holds and drops the rows nobody holds
-        rows = np.ones(len(ids), dtype=bool) if is_active else (
-            keep & present[:, cfg.party_names.index(role)])
+        rows = (
+            np.ones(len(ids), dtype=bool)
+            if is_active
+            else (keep & present[:, cfg.party_names.index(role)])
+        )
         path = role_data_path(run_dir, role)
         write_csv(
-            path, id_column=cfg.id_column, ids=ids[rows], columns=(
-                cfg.active_columns if is_active else cfg.party(role).columns),
+            path,
+            id_column=cfg.id_column,
+            ids=ids[rows],
+            columns=(cfg.active_columns if is_active else cfg.party(role).columns),
             values=block[rows],
-            label=cfg.label if is_active else None, labels=labels[rows] if is_active else None,
+            label=cfg.label if is_active else None,
+            labels=labels[rows] if is_active else None,
         )
         out[role] = path
     return out
@@ -225,18 +253,25 @@ def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:
     return ActiveTable(ids=ids, columns=cfg.active_columns, values=values, labels=labels)
 
 
-def train_test_split(ids: np.ndarray, *, test_fraction: float, seed: int,
-                     labels: np.ndarray | None = None, stratify: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def train_test_split(
+    ids: np.ndarray,
+    *,
+    test_fraction: float,
+    seed: int,
+    labels: np.ndarray | None = None,
+    stratify: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic split of sample ids (stratified by label for classification)."""
     rng = np.random.default_rng([seed, 0x5EED])
     ids = np.asarray(ids, dtype=np.int64)
     if test_fraction <= 0:
         return np.sort(ids), np.empty(0, dtype=np.int64)
     test_mask = np.zeros(len(ids), dtype=bool)
-    groups = [np.arange(len(ids))] if not stratify or labels is None else [
-        np.flatnonzero(labels == c) for c in np.unique(labels)
-    ]
+    groups = (
+        [np.arange(len(ids))]
+        if not stratify or labels is None
+        else [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    )
     for g in groups:
         perm = rng.permutation(g)
         n_test = int(round(test_fraction * len(g)))

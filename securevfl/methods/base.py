@@ -79,10 +79,12 @@ class ActiveContext(Protocol):
         ...
 
     def release_gradients(
-        self, grads: Mapping[str, np.ndarray], *, epoch: int
+        self, grads: Mapping[str, np.ndarray], *, epoch: int, ids: np.ndarray | None = None
     ) -> dict[str, np.ndarray]:
         """Apply label DP (if configured) to gradients about to leave the active party, and
-        record the release in the ledger. Every gradient sent to a party must pass through here."""
+        record the release in the ledger. Every gradient sent to a party must pass through here,
+        all of one step in one call (rows = samples; each row is clipped jointly over every
+        entry). Pass the rows' sample ``ids`` so that each row's uses are counted exactly."""
         ...
 
     def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
@@ -105,6 +107,7 @@ class PartyMethod(ABC):
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         """Prepare for training (the active party sends e.g. the training row ids)."""
+        del args, inputs  # optional hook
 
     @abstractmethod
     def handle(
@@ -200,7 +203,7 @@ class MethodSpec:
             raise ConfigError(
                 "[run] aggregation",
                 f"method {self.name!r} cannot run on sums, so {cfg.aggregation!r} cannot protect "
-                "it; use aggregation = \"plain\" (see the README's threat model)",
+                'it; use aggregation = "plain" (see the README\'s threat model)',
             )
         for check in self.extra_checks:
             check(cfg)
@@ -218,5 +221,3 @@ def register_method(spec: MethodSpec) -> MethodSpec:
 
 def registry() -> Mapping[str, MethodSpec]:
     return _REGISTRY
-
-

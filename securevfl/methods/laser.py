@@ -700,8 +700,6 @@ class BlockActive(ActiveMethod):
         out: dict[str, Any] = {}
         if self.extra_tests:
             out["extra_tests"] = self.extra_tests
-        if self.dead:
-            out["lost_parties"] = list(self.dead)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -66,6 +66,10 @@ class MeanImputationActive(_OlsActive):
 class SinglePartyActive(_OlsActive):
     method_label = "single-ols"
 
+    def participants(self, ctx: ActiveContext) -> tuple[tuple[str, ...], bool]:
+        party = single_party(self.config)
+        return ((), True) if party == self.config.active_name else ((party,), False)
+
     def designs(self, ctx: ActiveContext, train_ids: np.ndarray) -> list:
         party = single_party(self.config)
         if party == self.config.active_name:

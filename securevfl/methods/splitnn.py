@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from securevfl.methods.base import (
     ActiveContext,
@@ -30,6 +31,7 @@ from securevfl.methods.nn import (
     task_loss,
 )
 from securevfl.metrics import task_metrics
+from securevfl.privacy.runtime import PrivateTraining, private_training
 
 EVAL_BATCH = 4096
 
@@ -45,6 +47,11 @@ class SplitNNParty(PartyMethod):
             seed=derived_seed(self.config.seed, "encoder", self.name),
         ).to(self.device)
         self.optimizer = make_optimizer(self.encoder.parameters(), self.config)
+        # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it; the active party
+        # reduces its loss by the mean, so the gradient rows received carry 1/B
+        self.training = private_training(self, self.encoder, self.optimizer,
+                                         expected_batch_size=self.config.batch_size)
+        self.encoder, self.optimizer = self.training.module, self.training.optimizer
         self._pending: tuple[np.ndarray, torch.Tensor] | None = None
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
@@ -56,7 +63,7 @@ class SplitNNParty(PartyMethod):
             x = self._inputs(ids)
             if args.get("train", False):
                 self.encoder.train()
-                out = self.encoder(x)
+                out = self.training.model(x)
                 self._pending = (ids, out)
             else:
                 self.encoder.eval()
@@ -69,10 +76,11 @@ class SplitNNParty(PartyMethod):
             _, out = self._pending
             grad = torch.tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
             if grad.shape != out.shape:
-                raise ValueError(f"gradient shape {tuple(grad.shape)} != representation {tuple(out.shape)}")
-            self.optimizer.zero_grad(set_to_none=True)
+                raise ValueError(f"gradient shape {tuple(grad.shape)} != representation "
+                                 f"{tuple(out.shape)}")
+            self.training.zero_grad()
             out.backward(grad)
-            self.optimizer.step()
+            self.training.step()
             self._pending = None
             return {}
         raise UnknownOperation("splitnn", op)
@@ -90,6 +98,19 @@ class SplitNNParty(PartyMethod):
         self.scaler.load_state_dict(state["scaler"])
 
 
+class Fusion(nn.Module):
+    """``head(S + own(x))``: the active party's trainable part as one module, so that DP-SGD
+    (``[active] dp_sgd``) wraps the head and the active party's own encoder together."""
+
+    def __init__(self, head: nn.Module, own: nn.Module | None) -> None:
+        super().__init__()
+        self.head = head
+        self.own = own
+
+    def forward(self, s: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(s if self.own is None else s + self.own(x))
+
+
 class SplitNNActive(ActiveMethod):
     """The head g (and the active party's own encoder if it holds columns)."""
 
@@ -102,13 +123,13 @@ class SplitNNActive(ActiveMethod):
             seed=derived_seed(cfg.seed, "head"),
         ).to(self.device)
         self.own = None
-        params = list(self.head.parameters())
         if self.table.columns:
             self.own = mlp(len(self.table.columns), cfg.hidden, cfg.width,
                            seed=derived_seed(cfg.seed, "encoder", cfg.active_name)).to(self.device)
-            params += list(self.own.parameters())
-        self.optimizer = make_optimizer(params, cfg)
+        self.fusion = Fusion(self.head, self.own)
+        self.optimizer = make_optimizer(self.fusion.parameters(), cfg)
         self.scaler = Standardizer()
+        self.training: PrivateTraining | None = None
 
     def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
         return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
@@ -117,11 +138,11 @@ class SplitNNActive(ActiveMethod):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         total = ctx.call("forward", ids=ids, args={"train": train}, sums=self._sum_spec(ctx))["S"]
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
-        z = s
-        if self.own is not None:
-            x = torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
-            z = z + self.own(x)
-        return s, self.head(z)
+        model = self.training.model if train and self.training is not None else self.fusion
+        if self.own is None:
+            return s, model(s)
+        x = torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
+        return s, model(s, x)
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         cfg = self.config
@@ -134,22 +155,25 @@ class SplitNNActive(ActiveMethod):
             )
         if ctx.start_epoch == 0:
             self.scaler.fit(self.table.rows(train_ids))
+        # DP-SGD on head (+ own encoder) when [active] dp_sgd is set; the loss is a batch mean
+        self.training = private_training(ctx, self.fusion, self.optimizer,
+                                         expected_batch_size=cfg.batch_size)
         for epoch in range(ctx.start_epoch, cfg.epochs):
             started = time.perf_counter()
             total_loss = 0.0
-            self.head.train()
+            self.fusion.train()
             for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
                 s, out = self._forward(ctx, ids, train=True)
                 y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
                 loss = task_loss(cfg.task, out, y)
-                self.optimizer.zero_grad(set_to_none=True)
+                self.training.zero_grad()
                 loss.backward()
                 # per-sample gradients dl_i/dS_i (loss is a mean): DP clips rows of these
                 per_sample = (s.grad * len(ids)).cpu().numpy()
-                released = ctx.release_gradients({"grad": per_sample}, epoch=epoch)
+                released = ctx.release_gradients({"grad": per_sample}, epoch=epoch, ids=ids)
                 ctx.call("backward", ids=ids, inputs={"grad": released["grad"] / len(ids)},
                          to=ctx.parties)
-                self.optimizer.step()
+                self.training.step(epoch=epoch)
                 total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
             ctx.epoch_done(epoch, stats={
@@ -158,7 +182,7 @@ class SplitNNActive(ActiveMethod):
             })
 
     def predict(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
-        self.head.eval()
+        self.fusion.eval()
         outs = []
         with torch.no_grad():
             for start in range(0, len(ids), EVAL_BATCH):

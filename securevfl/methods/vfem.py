@@ -562,6 +562,36 @@ class _Federation:
                              to=list(self.parties), collect=list(collect))
 
 
+class _OscillationTracker:
+    """Watches the summed per-row predictor m^(t) (which the active party sees anyway) for the
+    iteration oscillating: successive changes dm^(t) pointing in opposite directions means the
+    dominant eigenvalue of the map's Jacobian is rho < 0, i.e. 1 - eta lambda_max = rho. After
+    three such steps in a row, `update` returns lambda_max = (1 - rho) / eta."""
+
+    def __init__(self) -> None:
+        self.prev_m: np.ndarray | None = None
+        self.prev_dm: np.ndarray | None = None
+        self.count = 0
+
+    def update(self, m: np.ndarray, eta: float) -> float | None:
+        found = None
+        if self.prev_m is not None:
+            dm = m - self.prev_m
+            if self.prev_dm is not None:
+                denom = float(self.prev_dm @ self.prev_dm)
+                # ignore changes at the level of fixed-point noise
+                if denom > 1e-18 * len(m):
+                    rho = float(dm @ self.prev_dm) / denom
+                    self.count = self.count + 1 if rho < -0.3 else 0
+                    if self.count >= 3:
+                        found = (1.0 - rho) / eta
+                        self.count = 0
+                        dm = None
+            self.prev_dm = dm
+        self.prev_m = m
+        return found
+
+
 @dataclass
 class _Design:
     """One fit: its rows, which parties take part, and the missing rows of each party."""
@@ -623,6 +653,10 @@ class BlockRegressionActive(ActiveMethod):
         out.append(("blocks", train_ids, parties, own))
         return out
 
+    def participants(self, ctx: ActiveContext) -> tuple[tuple[str, ...], bool]:
+        """The passive parties and whether the active party's own block take part."""
+        return tuple(ctx.parties), bool(self.table.columns)
+
     def _complete_rows(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
         keep = ctx.presence(ids).all(axis=1)
         if self.table.columns:
@@ -646,18 +680,18 @@ class BlockRegressionActive(ActiveMethod):
         if not self.y_scale > 0:
             raise VfemInputError(f"the response {cfg.label!r} is constant; nothing to explain")
         self.yz_all = (y - self.y_center) / self.y_scale
-        plan = self.designs(ctx, train_ids)
-        all_parties = tuple(sorted({p for _, _, ps, _ in plan for p in ps},
-                                   key=self.config.party_names.index))
+        # every block checks its data first, so that a party's problem is the one reported
+        all_parties, use_own = self.participants(ctx)
         prep = _Federation(ctx, all_parties, plain=cfg.aggregation == "plain")
         prep.broadcast("prepare", ids=train_ids,
                        args={"intercept": opts.intercept, "standardize": cfg.standardize})
-        if self.table.columns and any(use for *_, use in plan):
+        if use_own:
             self.own = BlockState(owner=f"the active party ({cfg.active_name!r})",
                                   columns=self.table.columns, values=self.table.rows(train_ids),
                                   intercept=opts.intercept, standardize=cfg.standardize)
             if "own" in self.progress:
                 self.own.load_state_dict(self.progress["own"])
+        plan = self.designs(ctx, train_ids)
         start_phase = min(int(self.progress.get("design", 0)), len(plan) - 1)
         resuming = ctx.start_epoch > 0 and self.progress.get("phase") == "iterate"
         for index, (kind, ids, parties, use_own) in enumerate(plan):
@@ -694,6 +728,8 @@ class BlockRegressionActive(ActiveMethod):
             lows += [s[0] for s in spectra]
             highs += [s[1] for s in spectra]
             self.eta = 2.0 / (max(highs) + sum(s[2] for s in spectra) + min(lows))
+        # the smallest curvature the blocks alone suggest (for retuning eta, see _iterate)
+        self.lam_low = min([1.0] + [s[0] for s in spectra])
         if reset:
             yz = self.yz_all[positions]
             self.sigma2 = float(np.mean((yz - yz.mean()) ** 2))
@@ -760,11 +796,21 @@ class BlockRegressionActive(ActiveMethod):
         prev_obj: float | None = None
         saved: tuple[float, float] | None = None
         backtracks = int(self.progress.get("backtracks", 0)) if resume else 0
+        retunes = 0
         converged = False
         label = f"{self.method_label} ({d.kind} design)"
+        tracker = _OscillationTracker()
         while True:
             terms = self._estep()
             e, w, loss = combine_rows(yz, terms["m"], terms["q"], self.sigma2)
+            if opts.eta is None:
+                lam_top = tracker.update(terms["m"], self.eta)
+                if lam_top is not None:
+                    # the iteration oscillates along its stiffest direction: eta is too close
+                    # to 2 / lambda_max (cross-party correlation, which the blocks' own spectra
+                    # cannot see); retune to 2 / (lambda_max + lambda_min)
+                    self.eta = 2.0 / (lam_top + self.lam_low)
+                    retunes += 1
             ll = None
             if d.model_x:
                 ll = (y_loglik(yz, terms["m"], terms["q"], self.sigma2)
@@ -775,6 +821,7 @@ class BlockRegressionActive(ActiveMethod):
                     self._backtrack(saved)
                     backtracks += 1
                     prev_loss = alpha_prev = None
+                    tracker = _OscillationTracker()
                     continue
                 raise VfemDivergence(
                     f"{label}: the loss became {loss:.4g} at iteration {t} with eta = "
@@ -785,6 +832,7 @@ class BlockRegressionActive(ActiveMethod):
                 self._backtrack(saved)
                 backtracks += 1
                 prev_loss = alpha_prev = None
+                tracker = _OscillationTracker()
                 continue
             change = float(terms["dbeta"][0])
             if alpha_prev is not None:
@@ -811,7 +859,7 @@ class BlockRegressionActive(ActiveMethod):
         self.last_e = e
         self.fit_info = {
             "design": d.kind, "n": n, "iterations": t, "converged": converged, "eta": self.eta,
-            "eta_halvings": backtracks, "sigma2": self.sigma2 * self.y_scale**2, "loglik": ll,
+            "eta_halvings": backtracks, "eta_retunes": retunes, "sigma2": self.sigma2 * self.y_scale**2, "loglik": ll,
             "beta_change": change,
         }
         if not converged and not loose:

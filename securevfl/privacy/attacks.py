@@ -34,6 +34,7 @@ __all__ = [
     "attack_auc",
     "best_of_both_auc",
     "direction_scores",
+    "measure_grouped_leakage",
     "measure_label_leakage",
     "norm_scores",
     "reference_direction",
@@ -159,6 +160,44 @@ def measure_label_leakage(*, grads: np.ndarray, labels: np.ndarray) -> LeakageMe
     return LeakageMeasurement(
         norm_auc=attack_auc(norm_scores(g), y),
         direction_auc=attack_auc(direction_scores(g), y),
+        rows=int(g.shape[0]),
+        positive_rate=float(y.mean()),
+    )
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values), dtype=np.float64)
+    ranks[order] = (np.arange(len(values)) + 0.5) / len(values)
+    return ranks
+
+
+def measure_grouped_leakage(
+    *, grads: np.ndarray, labels: np.ndarray, groups: np.ndarray
+) -> LeakageMeasurement:
+    """Both attacks on gradients received over a whole training run, scored group by group.
+
+    ``groups`` (one per row, e.g. the epoch) splits the rows into stretches in which the model
+    barely moved: the direction attack takes its reference direction per group, and the norm
+    attack ranks norms within each group (the gradient scale drifts as training goes on).
+    Both are label-free transformations an honest-but-curious party can make, since it knows
+    when it received each row. The per-group scores are then pooled into one ROC-AUC each.
+    """
+    g = _as_rows(grads)
+    y = _binary_labels(labels, g.shape[0])
+    groups = np.asarray(groups).reshape(-1)
+    if groups.shape[0] != g.shape[0]:
+        raise ValueError(f"got {g.shape[0]} gradient rows but {groups.shape[0]} group labels")
+    norm = np.zeros(g.shape[0])
+    direction = np.zeros(g.shape[0])
+    for value in np.unique(groups):
+        rows = np.flatnonzero(groups == value)
+        norm[rows] = _ranks(norm_scores(g[rows]))
+        if np.any(g[rows]):
+            direction[rows] = direction_scores(g[rows])
+    return LeakageMeasurement(
+        norm_auc=attack_auc(norm, y),
+        direction_auc=attack_auc(direction, y),
         rows=int(g.shape[0]),
         positive_rate=float(y.mean()),
     )

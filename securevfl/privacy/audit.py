@@ -89,6 +89,8 @@ class AuditReport:
     unprotected: list[UnprotectedRelease]
     role_totals: dict[str, tuple[float, float]] = field(default_factory=dict)
     leakage: dict[str, LeakageMeasurement] = field(default_factory=dict)
+    # where the true labels that scored the attacks came from (only the active party has them)
+    leakage_labels: str = ""
 
     def row(self, role: str, mechanism: str) -> AuditRow:
         """The row of (role, mechanism); KeyError if the ledger has no such events."""
@@ -107,6 +109,7 @@ class AuditReport:
             },
             "unprotected": [asdict(u) for u in self.unprotected],
             "leakage": {role: m.to_json() for role, m in self.leakage.items()},
+            "leakage_labels": self.leakage_labels,
         }
 
 
@@ -142,7 +145,7 @@ def audit(
 ) -> AuditReport:
     """Recompute the privacy spent in a run from its ledger.
 
-    ``ledger_path`` is the ledger file or a run directory holding ``privacy_ledger.jsonl``.
+    ``ledger_path`` is the ledger file or a run directory holding ``ledger.jsonl``.
     With ``delta=None`` each (role, mechanism) is reported at the smallest delta its events
     recorded; otherwise at ``delta``. ``leakage`` maps a receiving role to label-inference
     AUCs measured on the gradients it received. Refuses (`LedgerError`) a corrupt ledger,
@@ -229,9 +232,10 @@ def _fmt_values(values: tuple[float, ...]) -> str:
 
 
 def _fmt_epochs(first: int | None, last: int | None) -> str:
+    # the ledger counts epochs from 0; the report counts from 1, like the progress lines
     if first is None:
         return "-"
-    return str(first) if first == last else f"{first}-{last}"
+    return str(first + 1) if first == last else f"{first + 1}-{last + 1}"
 
 
 def _table(header: list[str], body: list[list[str]]) -> list[str]:
@@ -321,4 +325,11 @@ def format_report(report: AuditReport) -> str:
                 for role, m in report.leakage.items()
             ],
         )
+        out += [
+            "",
+            "The attacks are label-free (what each party can run on what it received); scoring",
+            "them needs the true training labels, which only the active party holds, so this",
+            "evaluation needs the active party's cooperation"
+            + (f" (labels read from {report.leakage_labels})." if report.leakage_labels else "."),
+        ]
     return "\n".join(out) + "\n"

@@ -41,7 +41,8 @@ __all__ = [
     "merge_history",
 ]
 
-LEDGER_FILENAME = "privacy_ledger.jsonl"
+# the run directory's ledger: RUN_DIR/ledger.jsonl, appended by every role that shares the directory
+LEDGER_FILENAME = "ledger.jsonl"
 SCHEMA_VERSION = 1
 UNPROTECTED = "unprotected"
 
@@ -203,8 +204,12 @@ class PrivacyLedger:
     """An append-only JSON-lines ledger of privacy events for one run.
 
     Opening a ledger that already exists (a resumed run) validates its content first and
-    refuses to append to a corrupt or torn file. One writer per file is the intended use;
-    each event is a single ``O_APPEND`` write followed by ``fsync``.
+    refuses to append to a corrupt or torn file. Each event is a single ``O_APPEND`` write
+    followed by ``fsync``, so the roles of a federation that share a run directory can each
+    hold a `PrivacyLedger` on the same file: their lines never interleave. Each instance knows
+    the events it read at open plus those it recorded, which is all a role's budget needs
+    (its own events); open it before any role starts recording (the roles do so before the
+    session handshake).
     """
 
     def __init__(self, path: Path) -> None:
@@ -224,7 +229,9 @@ class PrivacyLedger:
                         )
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            # roles sharing a run directory open it at the same time: whoever comes second
+            # finds it empty, which is what an exclusive create would have given it too
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
             os.close(fd)
             self._fsync_directory()
 

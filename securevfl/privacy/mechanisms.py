@@ -224,20 +224,13 @@ class EmbeddingDP(ReleaseMechanism):
     """Embedding DP on a passive party's contribution, before masking or encryption.
 
     Each row is clipped to L2 norm C_e and Gaussian noise sigma_e*C_e is added to every entry.
-    Accounted without amplification. A party that sends its contribution to several sums
-    (e.g. one per group) releases each row once per sum: record that many steps.
+    Accounted without amplification. The noised tensor may then feed several sums (one per
+    group) at no further cost (post-processing). Several tensors of one call passed together as
+    a mapping are clipped jointly per row, so they are one release of each row, like label DP;
+    tensors released separately are one release each.
     """
 
     name: ClassVar[str] = "embedding_dp"
-
-    def apply(self, values: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Clip each row of ``values`` ([rows, ...]) to norm ``clip`` and add noise sigma*C.
-
-        Refuses anything but a single floating tensor with finite values.
-        """
-        if not isinstance(values, torch.Tensor):
-            raise TypeError(f"embedding_dp.apply takes one tensor [rows, ...], got {type(values)}")
-        return super().apply(values)
 
 
 @register_mechanism

@@ -18,6 +18,10 @@ import numpy as np
 from securevfl.config import RunConfig
 from securevfl.data.table import ActiveTable, train_test_split
 from securevfl.methods import PartyDropped, SumSpec, method_spec
+from securevfl.privacy.audit import audit
+from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from securevfl.privacy.run_audit import epsilon_summary, write_manifest
+from securevfl.privacy.runtime import RolePrivacy, plan_role
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
@@ -28,6 +32,9 @@ from transport import Envelope
 
 class FederationContext:
     """`ActiveContext` over a connection to the aggregator."""
+
+    # the active party's DP, ledger and budgets (set by `run_active` once N is known)
+    privacy: RolePrivacy | None = None
 
     def __init__(self, *, cfg: RunConfig, conn: RoleConnection, session: bytes, run_dir: Path,
                  method: Any, logger: logging.Logger, start_epoch: int,
@@ -123,12 +130,27 @@ class FederationContext:
         return self._presence[self.method.table.positions(ids)]
 
     def set_presence(self, held: Mapping[str, np.ndarray]) -> None:
+        n = len(self.method.table.ids)
+        for party, flags in held.items():
+            if flags.dtype != np.bool_ or flags.shape != (n,):
+                raise P.RunAborted(
+                    f"{party} answered set-up with a malformed row-presence vector "
+                    f"({flags.dtype}, shape {flags.shape}; expected bool of shape ({n},))",
+                    lost=party,
+                )
         self._presence = np.stack([np.asarray(held[p], dtype=bool)
                                    for p in self.config.party_names], axis=1)
 
-    def release_gradients(self, grads: Mapping[str, np.ndarray], *, epoch: int
-                          ) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+    def release_gradients(self, grads: Mapping[str, np.ndarray], *, epoch: int,
+                          ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Label DP on per-sample gradient rows about to leave: each row clipped jointly over
+        every entry of ``grads`` and noised, after the budget check and the ledger event.
+        ``ids`` (the rows' sample ids) makes the per-row use count exact; without them every
+        N rows released in an epoch count as one use of every row."""
+        arrays = {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+        if self.privacy is None or not arrays:
+            return arrays
+        return self.privacy.release_gradients(arrays, ids=ids, epoch=epoch)
 
     def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
         self.epoch_seconds.append(time.perf_counter() - self._epoch_started)
@@ -144,6 +166,9 @@ class FederationContext:
         })
         parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
         line = f"epoch {epoch + 1}/{self.config.epochs}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        if self.privacy is not None and self.privacy.plan.mechanisms:
+            spent = ", ".join(f"{m} {e:.3g}" for m, e in self.privacy.spent().items())
+            line += f"  epsilon spent: {spent} (delta {self.privacy.delta:g})"
         print(line, file=self.out, flush=True)
         self.logger.info("%s", line)
         self._epoch_started = time.perf_counter()
@@ -175,6 +200,8 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
             method.load_state_dict(saved["method"])
             start_epoch = last + 1
             print(f"resuming after epoch {last + 1}", file=out, flush=True)
+    # opened before the handshake, so before any role of the run records anything
+    ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
     conn = RoleConnection.connect(cfg=cfg, name=cfg.active_name, keys_dir=keys_dir,
                                   address=address, logger=logger, nonce=pysecrets.token_hex(16),
                                   context=context)
@@ -182,6 +209,16 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
         session = conn.handshake()
         ctx = FederationContext(cfg=cfg, conn=conn, session=session, run_dir=run_dir,
                                 method=method, logger=logger, start_epoch=start_epoch, out=out)
+        # N is the training set the parties are told of at set-up: every role derives the same
+        # delta from it (a bad delta or budget is a ConfigError: exit status 2)
+        ctx.privacy = RolePrivacy(plan=plan_role(cfg, role=cfg.active_name,
+                                                 n_train=len(train_ids)), ledger=ledger)
+        ctx.privacy.set_rows(table.ids)
+        method.privacy = ctx.privacy
+        write_manifest(run_dir, active=cfg.active_name, id_column=cfg.id_column,
+                       label=cfg.label, task=cfg.task, delta=ctx.privacy.delta,
+                       accountant=cfg.accountant, n_train=int(len(train_ids)),
+                       parties=list(cfg.party_names))
         if saved is not None:
             ctx.epoch_seconds = list(saved.get("epoch_seconds", []))
             ctx.history = list(saved.get("history", []))
@@ -228,6 +265,8 @@ def run_active(cfg: RunConfig, *, run_dir: Path, keys_dir: Path, data_path: Path
             "rounds": ctx.round,
             "lost_parties": ctx.lost,
             "roles": roles,
+            "privacy": epsilon_summary(audit(run_dir / LEDGER_FILENAME,
+                                             accountant=cfg.accountant)),
             **method.summary(),
         }
         write_metrics(run_dir, metrics)

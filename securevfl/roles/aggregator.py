@@ -31,6 +31,7 @@ class Aggregator:
         self.session: bytes | None = None
         self.last_round = -1
         self.dead: set[str] = set()
+        self.rejected = 0
         from securevfl.methods import method_spec
 
         # methods such as LASER-VFL go on without a lost party; the others stop, resumable
@@ -43,8 +44,10 @@ class Aggregator:
             self._handshake()
             while True:
                 try:
-                    env = self._recv(timeout=self.cfg.round_timeout + self.cfg.peer_timeout,
-                                     waiting_for=f"a call from {self.active}")
+                    env = self._recv(
+                        timeout=self.cfg.round_timeout + self.cfg.peer_timeout,
+                        waiting_for=f"a call from {self.active}",
+                    )
                 except P.RunAborted as exc:
                     if not self._drop(exc):
                         raise
@@ -82,7 +85,9 @@ class Aggregator:
             except ReceiveTimeout:
                 continue
             except PeerLost as exc:
-                raise P.RunAborted(f"role {exc.peer} vanished during start-up", lost=exc.peer) from None
+                raise P.RunAborted(
+                    f"role {exc.peer} vanished during start-up", lost=exc.peer
+                ) from None
             nonce = env.meta.get("nonce")
             if env.kind != P.HELLO or not isinstance(nonce, str) or len(nonce) != 32:
                 self.logger.warning("dropped %r from %s during the handshake", env.kind, env.sender)
@@ -98,8 +103,15 @@ class Aggregator:
         self.session = bytes.fromhex(session)
         self.hub.session = session
         for role in roles:
-            self.hub.send(role, Envelope(kind=P.WELCOME, sender=AGGREGATOR, session=session,
-                                         meta={"session": session, "nonces": nonces}))
+            self.hub.send(
+                role,
+                Envelope(
+                    kind=P.WELCOME,
+                    sender=AGGREGATOR,
+                    session=session,
+                    meta={"session": session, "nonces": nonces},
+                ),
+            )
         self.logger.info("session %s started with %s", session, roles)
 
     def _recv(self, *, timeout: float, waiting_for: str) -> Envelope:
@@ -127,9 +139,15 @@ class Aggregator:
             if role == lost:
                 continue
             try:
-                self.hub.send(role, Envelope(kind=P.ABORT, sender=AGGREGATOR,
-                                             session=self.hub.session or "",
-                                             meta={"reason": reason, "lost": lost}))
+                self.hub.send(
+                    role,
+                    Envelope(
+                        kind=P.ABORT,
+                        sender=AGGREGATOR,
+                        session=self.hub.session or "",
+                        meta={"reason": reason, "lost": lost},
+                    ),
+                )
             except Exception as exc:  # best effort: the run is ending anyway
                 self.logger.warning("could not tell %s about the abort: %s", role, exc)
 
@@ -137,8 +155,9 @@ class Aggregator:
 
     def _round(self, env: Envelope) -> None:
         if env.round <= self.last_round:
-            self.logger.warning("dropped call for round %d (already at %d)", env.round,
-                                self.last_round)
+            self.logger.warning(
+                "dropped call for round %d (already at %d)", env.round, self.last_round
+            )
             return
         self.last_round = env.round
         to = list(env.meta.get("to", []))
@@ -153,8 +172,13 @@ class Aggregator:
             try:
                 from securevfl.secure_sum import check_group
 
-                check_group(self.cfg.aggregation, spec.group, min_group=self.cfg.min_group,
-                            key=spec.key, what=f"aggregator, op {env.meta.get('op')!r}")
+                check_group(
+                    self.cfg.aggregation,
+                    spec.group,
+                    min_group=self.cfg.min_group,
+                    key=spec.key,
+                    what=f"aggregator, op {env.meta.get('op')!r}",
+                )
             except GroupTooSmall as exc:
                 raise P.RunAborted(str(exc)) from None
         gone = sorted(set(to) & self.dead)
@@ -163,21 +187,35 @@ class Aggregator:
             return
         if env.meta.get("op") == P.OP_SETUP:
             ckks = env.tensors.get("ckks_context")
-            self.stage = backend(self.cfg.aggregation).aggregator(SumSession(
-                name=AGGREGATOR, session=self.session or b"", min_group=self.cfg.min_group,
-                frac_bits=self.cfg.frac_bits, bound=self.cfg.bound,
-                ckks_public_context=None if ckks is None else ckks.tobytes(),
-            ))
-        forward = Envelope(kind=P.CALL, sender=AGGREGATOR, session=env.session, round=env.round,
-                           tensors=env.tensors, meta=env.meta)
+            self.stage = backend(self.cfg.aggregation).aggregator(
+                SumSession(
+                    name=AGGREGATOR,
+                    session=self.session or b"",
+                    min_group=self.cfg.min_group,
+                    frac_bits=self.cfg.frac_bits,
+                    bound=self.cfg.bound,
+                    ckks_public_context=None if ckks is None else ckks.tobytes(),
+                )
+            )
+        forward = Envelope(
+            kind=P.CALL,
+            sender=AGGREGATOR,
+            session=env.session,
+            round=env.round,
+            tensors=env.tensors,
+            meta=env.meta,
+        )
         for party in to:
             self.hub.send(party, forward)
         replies: dict[str, Envelope] = {}
+        accepted: dict[str, dict[str, Any]] = {spec.key: {} for spec in sums}
         while len(replies) < len(to):
             waiting = sorted(set(to) - set(replies))
             try:
-                reply = self._recv(timeout=self.cfg.round_timeout,
-                                   waiting_for=f"round {env.round} contributions from {waiting}")
+                reply = self._recv(
+                    timeout=self.cfg.round_timeout,
+                    waiting_for=f"round {env.round} contributions from {waiting}",
+                )
             except P.RunAborted as exc:
                 if not self._drop(exc):
                     raise
@@ -188,24 +226,39 @@ class Aggregator:
                     return
                 continue
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
-                self.logger.warning("dropped %r for round %d from %s during round %d",
-                                    reply.kind, reply.round, reply.sender, env.round)
+                self.logger.warning(
+                    "dropped %r for round %d from %s during round %d",
+                    reply.kind,
+                    reply.round,
+                    reply.sender,
+                    env.round,
+                )
                 continue
+            try:
+                mine = self._accept(reply, sums)
+            except (ContributionError, ValueError) as exc:
+                self.rejected += 1
+                self.logger.warning(
+                    "rejected round %d contribution from %s: %s", env.round, reply.sender, exc
+                )
+                continue
+            for key, value in mine.items():
+                accepted[key][reply.sender] = value
             replies[reply.sender] = reply
         tensors: dict[str, np.ndarray] = {}
         shapes: dict[str, Any] = {}
         for spec in sums:
-            contribs = {}
-            for p in spec.group:
-                prefix = spec.key
-                contribs[p] = {k: v for k, v in replies[p].tensors.items()
-                               if k == prefix or k.startswith(prefix + "/")}
-            party_shapes = {tuple(replies[p].meta.get("shapes", {}).get(spec.key, ()))
-                            for p in spec.group}
+            party_shapes = {
+                tuple(replies[p].meta.get("shapes", {}).get(spec.key, ())) for p in spec.group
+            }
             if len(party_shapes) != 1:
-                raise P.RunAborted(f"sum {spec.key!r}: parties sent different shapes {party_shapes}")
+                raise P.RunAborted(
+                    f"sum {spec.key!r}: parties sent different shapes {party_shapes}"
+                )
             try:
-                tensors.update(self.stage.combine(contribs, group=spec.group, key=spec.key))
+                tensors.update(
+                    self.stage.combine_accepted(accepted[spec.key], group=spec.group, key=spec.key)
+                )
             except (ContributionError, ValueError) as exc:
                 raise P.RunAborted(f"round {env.round}, sum {spec.key!r}: {exc}") from None
             shapes[spec.key] = list(party_shapes.pop())
@@ -216,9 +269,35 @@ class Aggregator:
                     if k.rsplit("@", 1)[1] != party:
                         raise P.RunAborted(f"{party} sent {k!r}, which claims another sender")
                     tensors[k] = v
-        self.hub.send(self.active, Envelope(kind=P.RESULT, sender=AGGREGATOR, session=env.session,
-                                            round=env.round, tensors=tensors,
-                                            meta={"shapes": shapes}))
+        self.hub.send(
+            self.active,
+            Envelope(
+                kind=P.RESULT,
+                sender=AGGREGATOR,
+                session=env.session,
+                round=env.round,
+                tensors=tensors,
+                meta={"shapes": shapes},
+            ),
+        )
+
+    def _accept(self, reply: Envelope, sums: list) -> dict[str, Any]:
+        """Validate every array a party sent for this round before any of it is used."""
+        mine = [s for s in sums if reply.sender in s.group]
+        expected = {s.key for s in mine}
+        for name in reply.tensors:
+            base = name.split("/", 1)[0]
+            if base not in expected and not name.endswith(f"@{reply.sender}"):
+                raise ContributionError(f"unexpected tensor {name!r}")
+        out = {}
+        for spec in mine:
+            arrays = {
+                k: v
+                for k, v in reply.tensors.items()
+                if k == spec.key or k.startswith(spec.key + "/")
+            }
+            out[spec.key] = self.stage.accept(arrays, key=spec.key, sender=reply.sender)
+        return out
 
     def _drop(self, exc: P.RunAborted) -> bool:
         """Record a lost passive party if the method can go on without it."""
@@ -227,45 +306,85 @@ class Aggregator:
             return False
         self.dead.add(lost)
         self.hub.forget(lost)
-        self.logger.warning("lost party %r: %s; continuing without it (%s treats its block as "
-                            "missing from now on)", lost, exc, self.cfg.method)
+        self.logger.warning(
+            "lost party %r: %s; continuing without it (%s treats its block as missing from now on)",
+            lost,
+            exc,
+            self.cfg.method,
+        )
         if len(self.parties - self.dead) == 0:
             return False
         return True
 
     def _tell_lost(self, env: Envelope, lost: list[str]) -> None:
-        self.hub.send(self.active, Envelope(kind=P.RESULT, sender=AGGREGATOR, session=env.session,
-                                            round=env.round, meta={"lost": lost, "shapes": {}}))
+        self.hub.send(
+            self.active,
+            Envelope(
+                kind=P.RESULT,
+                sender=AGGREGATOR,
+                session=env.session,
+                round=env.round,
+                meta={"lost": lost, "shapes": {}},
+            ),
+        )
 
     def _finish(self, env: Envelope) -> None:
         stats: dict[str, Any] = {}
         alive = sorted(self.parties - self.dead)
         for party in alive:
-            self.hub.send(party, Envelope(kind=P.BYE, sender=AGGREGATOR, session=env.session,
-                                          round=env.round))
+            self.hub.send(
+                party, Envelope(kind=P.BYE, sender=AGGREGATOR, session=env.session, round=env.round)
+            )
         while len(stats) < len(alive):
             reply = self._recv(timeout=self.cfg.round_timeout, waiting_for="the parties' stats")
             if reply.kind == P.STATS and reply.sender in alive:
                 stats.update(reply.meta.get("stats", {}))
         for party in sorted(self.dead):
             stats[party] = {"lost": True}
-        stats[AGGREGATOR] = {"pid": os.getpid(), "host": socket.gethostname(),
-                             "bytes_sent": int(self.hub.bytes_sent),
-                             "bytes_received": int(self.hub.bytes_received),
-                             "rejected_messages": int(getattr(self.hub, "rejected", 0))}
-        self.hub.send(self.active, Envelope(kind=P.STATS, sender=AGGREGATOR, session=env.session,
-                                            round=env.round, meta={"stats": stats}))
+        stats[AGGREGATOR] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "bytes_sent": int(self.hub.bytes_sent),
+            "bytes_received": int(self.hub.bytes_received),
+            "rejected_messages": int(getattr(self.hub, "rejected", 0)) + self.rejected,
+        }
+        self.hub.send(
+            self.active,
+            Envelope(
+                kind=P.STATS,
+                sender=AGGREGATOR,
+                session=env.session,
+                round=env.round,
+                meta={"stats": stats},
+            ),
+        )
         time.sleep(0.2)  # let the last frames leave before the socket closes
 
 
-def run_aggregator(cfg: RunConfig, *, keys_dir: Any, bind: str, logger: logging.Logger,
-                   context: Any = None, on_bound: Any = None) -> int:
+def run_aggregator(
+    cfg: RunConfig,
+    *,
+    keys_dir: Any,
+    bind: str,
+    logger: logging.Logger,
+    context: Any = None,
+    on_bound: Any = None,
+) -> int:
     public = load_public(keys_dir)
     secrets = load_secrets(keys_dir, AGGREGATOR)
     allow = Allowlist({r: public.curve_public(r) for r in cfg.role_names})
-    hub = Hub(name=AGGREGATOR, bind=bind, keypair=secrets.curve, allowlist=allow, kinds=P.KINDS,
-              heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-              logger=logger, context=context, curve=not bind.startswith("inproc://"))
+    hub = Hub(
+        name=AGGREGATOR,
+        bind=bind,
+        keypair=secrets.curve,
+        allowlist=allow,
+        kinds=P.KINDS,
+        heartbeat_interval=cfg.heartbeat_interval,
+        peer_timeout=cfg.peer_timeout,
+        logger=logger,
+        context=context,
+        curve=not bind.startswith("inproc://"),
+    )
     logger.info("aggregator (pid %d) listening on %s", os.getpid(), hub.endpoint)
     if on_bound is not None:
         on_bound(hub.endpoint)

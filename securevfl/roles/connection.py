@@ -12,12 +12,21 @@ from typing import Any
 from securevfl.config import RunConfig
 from securevfl.keys import AGGREGATOR, FederationPublicKeys, RoleSecrets, load_public, load_secrets
 from securevfl.roles import protocol as P
-from transport import Envelope, Peer, PeerLost, ReceiveTimeout
+from transport import Envelope, KeyRefused, Peer, PeerLost, ReceiveTimeout
 
 
 class RoleConnection:
-    def __init__(self, *, cfg: RunConfig, name: str, peer: Peer, secrets: RoleSecrets,
-                 public: FederationPublicKeys, logger: logging.Logger, nonce: str) -> None:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        name: str,
+        peer: Peer,
+        secrets: RoleSecrets,
+        public: FederationPublicKeys,
+        logger: logging.Logger,
+        nonce: str,
+    ) -> None:
         self.cfg = cfg
         self.name = name
         self.peer = peer
@@ -28,8 +37,17 @@ class RoleConnection:
         self.session_hex: str | None = None
 
     @classmethod
-    def connect(cls, *, cfg: RunConfig, name: str, keys_dir: Path, address: str,
-                logger: logging.Logger, nonce: str, context: Any = None) -> RoleConnection:
+    def connect(
+        cls,
+        *,
+        cfg: RunConfig,
+        name: str,
+        keys_dir: Path,
+        address: str,
+        logger: logging.Logger,
+        nonce: str,
+        context: Any = None,
+    ) -> RoleConnection:
         public = load_public(keys_dir)
         secrets = load_secrets(keys_dir, name)
         if public.curve.get(name) != secrets.curve.public:
@@ -38,20 +56,32 @@ class RoleConnection:
                 "from the same `securevfl keys` run"
             )
         peer = Peer(
-            name=name, connect=address, keypair=secrets.curve,
-            server_public=public.curve_public(AGGREGATOR), kinds=P.KINDS,
-            heartbeat_interval=cfg.heartbeat_interval, peer_timeout=cfg.peer_timeout,
-            logger=logger, context=context,
+            name=name,
+            connect=address,
+            keypair=secrets.curve,
+            server_public=public.curve_public(AGGREGATOR),
+            kinds=P.KINDS,
+            heartbeat_interval=cfg.heartbeat_interval,
+            peer_timeout=cfg.peer_timeout,
+            logger=logger,
+            context=context,
             # inproc:// (threads of one process, the experiment fast path) has no CURVE in libzmq
             curve=not address.startswith("inproc://"),
         )
         logger.info("connecting to the aggregator at %s", address)
-        return cls(cfg=cfg, name=name, peer=peer, secrets=secrets, public=public, logger=logger,
-                   nonce=nonce)
+        return cls(
+            cfg=cfg,
+            name=name,
+            peer=peer,
+            secrets=secrets,
+            public=public,
+            logger=logger,
+            nonce=nonce,
+        )
 
     def handshake(self) -> bytes:
         """Say hello with a fresh nonce; return the session id agreed from everyone's nonces."""
-        self.peer.send(Envelope(kind=P.HELLO, sender=self.name, meta={"nonce": self.nonce}))
+        self.send(Envelope(kind=P.HELLO, sender=self.name, meta={"nonce": self.nonce}))
         env = self.recv(timeout=self.cfg.startup_timeout, waiting_for="the federation to assemble")
         if env.kind != P.WELCOME:
             raise P.RunAborted(f"expected a welcome from the aggregator, got {env.kind!r}")
@@ -75,6 +105,8 @@ class RoleConnection:
                 f"lost the aggregator ({exc}); restart the federation with --resume",
                 lost=AGGREGATOR,
             ) from None
+        except KeyRefused:
+            raise self._refused() from None
         except ReceiveTimeout:
             raise P.RunAborted(
                 f"nothing arrived within {timeout:.0f} s while waiting for {waiting_for}; "
@@ -82,20 +114,34 @@ class RoleConnection:
             ) from None
         if env.kind == P.ABORT:
             lost = env.meta.get("lost")
-            raise P.RunAborted(env.meta.get("reason", f"the run was aborted ({lost} lost)"),
-                               lost=lost)
+            raise P.RunAborted(
+                env.meta.get("reason", f"the run was aborted ({lost} lost)"), lost=lost
+            )
         if env.kind == P.ERROR:
             raise P.RunAborted(env.meta.get("reason", "a role failed"), lost=env.meta.get("role"))
         return env
 
     def send(self, env: Envelope) -> None:
         env.sender = self.name
-        self.peer.send(env)
+        try:
+            self.peer.send(env)
+        except KeyRefused:
+            raise self._refused() from None
+
+    def _refused(self) -> P.RunAborted:
+        return P.RunAborted(
+            f"the aggregator refused the CURVE key of {self.name!r}: it is not in the "
+            "federation's allowlist; use this role's key from the federation's keys "
+            "directory (`securevfl keys`), or ask the operator to add it"
+        )
 
     def stats(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(),
-                "bytes_sent": int(self.peer.bytes_sent),
-                "bytes_received": int(self.peer.bytes_received)}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "bytes_sent": int(self.peer.bytes_sent),
+            "bytes_received": int(self.peer.bytes_received),
+        }
 
     def close(self) -> None:
         self.peer.close()

@@ -14,6 +14,8 @@ import numpy as np
 
 from securevfl.config import RunConfig
 from securevfl.methods import SumSpec, method_spec
+from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
@@ -40,6 +42,11 @@ class PassiveParty:
         )
         self.stage = None
         self.last_round = -1
+        # opened before the handshake, so before any role of the run records anything
+        self.ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
+        self.privacy: RolePrivacy | None = None
+        self.received: ReceivedGradients | None = None
+        self._single_sums: set[tuple[str, str, int]] = set()
 
     def run(self) -> dict[str, Any]:
         session = self.conn.handshake()
@@ -48,6 +55,8 @@ class PassiveParty:
             if env.kind == P.ABORT:
                 raise P.RunAborted(env.meta.get("reason", "aborted"), lost=env.meta.get("lost"))
             if env.kind == P.BYE:
+                if self.received is not None:
+                    self.received.save()
                 stats = self.conn.stats()
                 self.conn.send(Envelope(kind=P.STATS, sender=self.name, round=env.round,
                                         meta={"stats": {self.name: stats}}))
@@ -75,11 +84,43 @@ class PassiveParty:
                 f"party {active!r} (the aggregator or the network altered it); refusing to encrypt"
             )
 
+    def _setup_privacy(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        """Resolve this party's DP (N is known now) and give the method its `RolePrivacy`."""
+        plan = plan_role(self.cfg, role=self.name, n_train=len(inputs["train_ids"]))
+        self.privacy = RolePrivacy(plan=plan, ledger=self.ledger)
+        self.privacy.set_rows(inputs["all_ids"])
+        self.method.privacy = self.privacy
+        if self.cfg.record_received:
+            self.received = ReceivedGradients(self.run_dir / "received" / f"{self.name}.npz")
+        if self.cfg.aggregation == "plain" and plan.embedding_dp is None:
+            self.privacy.record_unprotected_once(
+                what="representations sent to sums",
+                reason="aggregation = plain: the aggregator and the active party see each "
+                       "contribution in the clear",
+            )
+
+    def _record_single_sum(self, op: str, spec: SumSpec) -> None:
+        """A secure sum with one contributor is that contribution: say so in the ledger, once
+        per sum and epoch (only when embedding DP does not protect it)."""
+        if self.cfg.aggregation == "plain" or self.privacy.plan.embedding_dp is not None:
+            return
+        seen = (op, spec.key, self.privacy.epoch)
+        if seen in self._single_sums:
+            return
+        self._single_sums.add(seen)
+        self.privacy.ledger.record_unprotected(
+            role=self.name, what=f"sum {spec.key!r} of {op!r} with this party alone",
+            reason="[run] min_group = 1: a sum with a single contributor is that party's "
+                   "contribution, revealed to the active party",
+            epoch=self.privacy.epoch,
+        )
+
     def _answer(self, env: Envelope, session: bytes) -> tuple[dict[str, np.ndarray], dict]:
         op = env.meta["op"]
         args = env.meta.get("args", {})
         inputs = {k: v for k, v in env.tensors.items() if k != "ids"}
         if op == P.OP_SETUP:
+            self._setup_privacy(args=args, inputs=inputs)
             self.method.setup(args=args, inputs=inputs)
             ckks = inputs.get("ckks_context")
             if ckks is not None:
@@ -94,26 +135,39 @@ class PassiveParty:
             if resume_epoch >= 0:
                 self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
                 self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
+            self.privacy.epoch = resume_epoch + 1
             # which of the active party's rows this party holds (what a PSI would tell it)
             present = self.method.table.has(inputs["all_ids"])
             return {f"present@{self.name}": present}, {}
         if op == P.OP_CHECKPOINT:
             epoch = int(args["epoch"])
             save_checkpoint(self.run_dir, self.name, epoch, self.method.state_dict())
+            self.privacy.epoch = epoch + 1
+            if self.received is not None:
+                self.received.save()
             return {}, {}
         if self.stage is None:
             raise RuntimeError(f"call {op!r} before setup")
+        if self.received is not None and op == "backward":
+            self.received.add(inputs, ids=env.tensors["ids"], epoch=self.privacy.epoch)
         out = self.method.handle(op, ids=env.tensors["ids"], args=args, inputs=inputs)
         tensors: dict[str, np.ndarray] = {}
         shapes: dict[str, list[int]] = {}
-        for spec in parse_sums(env.meta):
-            if self.name not in spec.group:
-                continue
+        specs = [spec for spec in parse_sums(env.meta) if self.name in spec.group]
+        for spec in specs:
             if spec.tensor not in out:
                 raise RuntimeError(
                     f"method {self.cfg.method!r} did not produce tensor {spec.tensor!r} for {op!r}"
                 )
-            value = np.asarray(out[spec.tensor], dtype=np.float64)
+        # embedding DP: once per tensor and call, before masking or encryption; the same noised
+        # tensor then feeds every sum it is part of (post-processing costs nothing)
+        contributions = {t: np.asarray(out[t], dtype=np.float64)
+                         for t in dict.fromkeys(s.tensor for s in specs)}
+        released = self.privacy.release_contributions(contributions, ids=env.tensors["ids"])
+        for spec in specs:
+            value = released[spec.tensor]
+            if len(spec.group) == 1:
+                self._record_single_sum(op, spec)
             tensors.update(self.stage.protect(value, round=env.round, group=spec.group,
                                               key=spec.key))
             shapes[spec.key] = list(value.shape)

@@ -24,22 +24,29 @@ def synthetic_csv(path: Path, *, n: int = 400, n_cols: int = 6, seed: int = 0) -
     w = rng.normal(size=n_cols)
     y = (x @ w + 0.3 * rng.normal(size=n) > 0).astype(float)
     cols = [f"X{i + 1}" for i in range(n_cols)]
-    write_csv(path, id_column="ID", ids=np.arange(1, n + 1), columns=cols, values=x, label="Y",
-              labels=y)
+    write_csv(
+        path, id_column="ID", ids=np.arange(1, n + 1), columns=cols, values=x, label="Y", labels=y
+    )
     return cols
 
 
 BASE_RAW = {
     "run": {"method": "splitnn", "aggregation": "mask", "seed": 0},
-    "data": {"path": "data.csv", "id": "ID", "label": "Y", "task": "binary",
-             "test_fraction": 0.25},
+    "data": {"path": "data.csv", "id": "ID", "label": "Y", "task": "binary", "test_fraction": 0.25},
     "active": {"columns": []},
-    "parties": {"alpha": {"columns": ["X1", "X2"]}, "beta": {"columns": ["X3", "X4"]},
-                "gamma": {"columns": ["X5", "X6"]}},
+    "parties": {
+        "alpha": {"columns": ["X1", "X2"]},
+        "beta": {"columns": ["X3", "X4"]},
+        "gamma": {"columns": ["X5", "X6"]},
+    },
     "train": {"epochs": 3, "batch_size": 64, "lr": 0.01},
     "model": {"hidden": [16], "width": 4},
-    "network": {"heartbeat_interval": 0.2, "peer_timeout": 3.0, "round_timeout": 30.0,
-                "startup_timeout": 30.0},
+    "network": {
+        "heartbeat_interval": 0.2,
+        "peer_timeout": 3.0,
+        "round_timeout": 30.0,
+        "startup_timeout": 30.0,
+    },
 }
 
 
@@ -82,5 +89,11 @@ def write_toml(raw: dict, path: Path) -> Path:
 
 def securevfl_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "securevfl", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "securevfl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kwargs,
+    )

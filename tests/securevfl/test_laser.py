@@ -27,6 +27,8 @@ from securevfl.data.table import (
 )
 from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.methods.laser import (
+    BlockParty,
+    LaserActive,
     exact_tasks,
     laser_objective,
     lr_at,
@@ -447,7 +449,7 @@ def test_a_lost_party_is_treated_as_missing_and_training_goes_on(tmp_path):
     fed.drop("p1", at_round=40)
     metrics = fed.run()
     assert len(fed.history) == 3
-    assert fed.method.summary()["lost_parties"] == ["p1"]
+    assert fed.method.dead == ["p1"]
     after = [c for c in fed.calls[39:] if "p1" in c[1]]
     assert not after, "a call went to the lost party"
     assert all("p1" not in spec.group for c in fed.calls[39:] for spec in c[2])
@@ -488,6 +490,39 @@ def test_active_party_with_its_own_block(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # end to end over the real protocol (threads, in-process ZeroMQ, CURVE)
+
+
+class CrashingParty(BlockParty):
+    """Dies at its 30th training forward (the role reports the failure and leaves)."""
+
+    forwards = 0
+
+    def handle(self, op, **kw):
+        if op == "forward" and self.name == "p2" and kw["args"].get("train"):
+            type(self).forwards += 1
+            if type(self).forwards == 30:
+                raise RuntimeError("simulated crash")
+        return super().handle(op, **kw)
+
+
+def test_laser_run_survives_a_party_lost_mid_training(tmp_path):
+    from securevfl.inproc import run_federation
+    from securevfl.methods import MethodSpec, register_method, registry
+
+    if "test-laser-crash" not in registry():
+        register_method(MethodSpec(name="test-laser-crash", active=LaserActive,
+                                   party=CrashingParty, tasks=("binary",)))
+    CrashingParty.forwards = 0
+    cfg = block_config(tmp_path, method="test-laser-crash", aggregation="mask", p_train=0.2,
+                       p_test=0.2, epochs=3, run={"transport": "inproc"},
+                       network={"heartbeat_interval": 0.2, "peer_timeout": 5.0,
+                                "round_timeout": 30.0, "startup_timeout": 30.0})
+    code, metrics = run_federation(cfg, out=tmp_path / "run")
+    assert code == 0
+    assert metrics["lost_parties"] == ["p2"]
+    assert len(metrics["history"]) == 3
+    assert metrics["test"]["n_eval"] == metrics["n_test"]  # p2's test rows use the others
+    assert metrics["test"]["accuracy"] > 0.6
 
 
 def test_laser_end_to_end_inproc_mask(tmp_path):

@@ -125,8 +125,8 @@ def test_refuses_inputs_that_would_defeat_the_clip():
         mech.apply(torch.ones(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="row dimension"):
         mech.apply(torch.tensor(1.0))
-    with pytest.raises(TypeError, match="one tensor"):
-        EmbeddingDP(noise_multiplier=1.0, clip=1.0).apply({"a": torch.zeros(2, 2)})
+    with pytest.raises(TypeError, match="tensor or a mapping"):
+        EmbeddingDP(noise_multiplier=1.0, clip=1.0).apply([torch.zeros(2, 2)])
 
 
 def test_embedding_dp_lets_backward_through_the_clip():

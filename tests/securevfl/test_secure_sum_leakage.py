@@ -18,12 +18,13 @@ def _capture(monkeypatch, aggregation: str, raw, d):
     received: list[np.ndarray] = []  # what reached the aggregator from party "alpha"
     truth: list[np.ndarray] = []  # alpha's true representations, in the same order
     stage = {"plain": secure_sum.PlainAggregator, "mask": secure_sum.MaskAggregator}[aggregation]
-    original_combine = stage.combine
+    original_accept = stage.accept
     original_handle = SplitNNParty.handle
 
-    def spy_combine(self, contributions, *, group, key):
-        received.append(np.array(contributions["alpha"][key]))
-        return original_combine(self, contributions, group=group, key=key)
+    def spy_accept(self, arrays, *, key, sender):
+        if sender == "alpha":
+            received.append(np.array(arrays[key]))
+        return original_accept(self, arrays, key=key, sender=sender)
 
     def spy_handle(self, op, **kw):
         out = original_handle(self, op, **kw)
@@ -31,7 +32,7 @@ def _capture(monkeypatch, aggregation: str, raw, d):
             truth.append(np.array(out["rep"], dtype=np.float64))
         return out
 
-    monkeypatch.setattr(stage, "combine", spy_combine)
+    monkeypatch.setattr(stage, "accept", spy_accept)
     monkeypatch.setattr(SplitNNParty, "handle", spy_handle)
     code, _ = run_federation(make_config(raw, d), out=d / f"run-{aggregation}")
     assert code == 0
