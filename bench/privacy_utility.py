@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eps", type=float, nargs="+", default=[0.5, 1, 2, 4, 8, math.inf],
                         help="label-DP target epsilons; inf = no label DP")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--clip", type=float, default=1.0, help="label-DP clip C")
+    parser.add_argument("--clip", type=float, default=0.5, help="label-DP clip C")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--work", type=Path, help="keep the run directories here")

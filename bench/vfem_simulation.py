@@ -22,9 +22,10 @@ VFEM runs through `securevfl.stats.reference`, which calls the same per-block fu
 federated parties; `--federated-reps K` also runs the first K replications of each cell through
 a real in-process federation (mask aggregation) and records the largest difference.
 
-Writes JSON (every replication's summary per method and coefficient) and a markdown table next
-to it: per cell and method, averaged over the 7 slopes: |bias|, RMSE, empirical SD, mean SE,
-SE/SD and 95% Wald coverage (mean and range over the slopes).
+Writes JSON (per cell, method and coefficient; every replication too with
+`--save-replications`) and a markdown table next to it: per cell and method, averaged over the
+7 slopes: |bias|, RMSE, empirical SD, mean SE, SE/SD and 95% Wald coverage (mean and range over
+the slopes).
 """
 
 from __future__ import annotations
@@ -120,17 +121,27 @@ def one_replication(args: tuple[str, int, int]) -> dict:
         except DivergenceError:
             eta /= 2
     jac = jacobian(lambda th: vfem_step(data, th, eta=eta), vf.theta, intercept=True)
-    var = sem_beta_variances(jac, beta_positions(vf.theta, intercept=True), eta=eta,
-                             sigma2=vf.theta.sigma2, n=data.n)
+    var = sem_beta_variances(
+        jac, beta_positions(vf.theta, intercept=True), eta=eta, sigma2=vf.theta.sigma2, n=data.n
+    )
     se = np.sqrt(var)
     record("VFEM", vf.theta.beta, se)
     seconds = time.perf_counter() - started
     em = fit_em(data, theta0, **TOL)
     record("EM", em.theta.beta, se)
-    return {"design": design, "n": n, "rep": rep, "methods": out,
-            "vfem": {"iterations": vf.iterations, "converged": vf.converged, "eta": eta,
-                     "seconds": seconds,
-                     "em_gap": float(np.max(np.abs(vf.theta.beta - em.theta.beta)))}}
+    return {
+        "design": design,
+        "n": n,
+        "rep": rep,
+        "methods": out,
+        "vfem": {
+            "iterations": vf.iterations,
+            "converged": vf.converged,
+            "eta": eta,
+            "seconds": seconds,
+            "em_gap": float(np.max(np.abs(vf.theta.beta - em.theta.beta))),
+        },
+    }
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -149,24 +160,33 @@ def summarise(records: list[dict]) -> list[dict]:
             rmse = np.sqrt(np.mean((est - truth) ** 2, axis=0))
             cover = np.mean(np.abs(est - truth) <= Z95 * se, axis=0)
             slopes = slice(1, None)
-            rows.append({
-                "design": design, "n": n, "method": method, "reps": reps,
-                "abs_bias": float(np.mean(np.abs(bias[slopes]))),
-                "max_bias_in_mc_se": float(np.max(np.abs(bias[slopes]) / (sd[slopes]
-                                                                          / math.sqrt(reps)))),
-                "rmse": float(np.mean(rmse[slopes])),
-                "sd": float(np.mean(sd[slopes])),
-                "mean_se": float(np.mean(se[:, slopes])),
-                "se_over_sd": float(np.mean(se[:, slopes].mean(axis=0) / sd[slopes])),
-                "coverage": float(np.mean(cover[slopes])),
-                "coverage_min": float(np.min(cover[slopes])),
-                "coverage_max": float(np.max(cover[slopes])),
-                "intercept_coverage": float(cover[0]),
-                "per_coefficient": {
-                    "bias": bias.tolist(), "sd": sd.tolist(), "rmse": rmse.tolist(),
-                    "mean_se": se.mean(axis=0).tolist(), "coverage": cover.tolist(),
-                },
-            })
+            rows.append(
+                {
+                    "design": design,
+                    "n": n,
+                    "method": method,
+                    "reps": reps,
+                    "abs_bias": float(np.mean(np.abs(bias[slopes]))),
+                    "max_bias_in_mc_se": float(
+                        np.max(np.abs(bias[slopes]) / (sd[slopes] / math.sqrt(reps)))
+                    ),
+                    "rmse": float(np.mean(rmse[slopes])),
+                    "sd": float(np.mean(sd[slopes])),
+                    "mean_se": float(np.mean(se[:, slopes])),
+                    "se_over_sd": float(np.mean(se[:, slopes].mean(axis=0) / sd[slopes])),
+                    "coverage": float(np.mean(cover[slopes])),
+                    "coverage_min": float(np.min(cover[slopes])),
+                    "coverage_max": float(np.max(cover[slopes])),
+                    "intercept_coverage": float(cover[0]),
+                    "per_coefficient": {
+                        "bias": bias.tolist(),
+                        "sd": sd.tolist(),
+                        "rmse": rmse.tolist(),
+                        "mean_se": se.mean(axis=0).tolist(),
+                        "coverage": cover.tolist(),
+                    },
+                }
+            )
     return rows
 
 
@@ -205,8 +225,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"largest |estimate - reference| = {f['max_estimate_gap']:.2e}, largest relative SE "
             f"gap = {f['max_se_rel_gap']:.2e}."
         )
-    lines += ["", f"Run: {meta['command']} ({meta['seconds']:.0f} s, {meta['workers']} workers, "
-              f"{meta['platform']})", ""]
+    lines += [
+        "",
+        f"Run: {meta['command']} ({meta['seconds']:.0f} s, {meta['workers']} workers, "
+        f"{meta['platform']})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -223,13 +247,23 @@ def federated_check(design: str, n: int, rep: int, workdir: Path) -> tuple[float
     ref = one_replication((design, n, rep))["methods"]["VFEM"]
     cols = [f"X{i + 1}" for i in range(sum(DIMS))]
     d = workdir / f"{design}-{n}-{rep}"
-    write_csv(d / "data.csv", id_column="ID", ids=np.arange(1, n + 1), columns=cols,
-              values=np.concatenate(blocks, axis=1), label="Y", labels=y)
+    write_csv(
+        d / "data.csv",
+        id_column="ID",
+        ids=np.arange(1, n + 1),
+        columns=cols,
+        values=np.concatenate(blocks, axis=1),
+        label="Y",
+        labels=y,
+    )
     raw = {
         "run": {"method": "vfem", "aggregation": "mask", "transport": "inproc", "seed": rep},
         "data": {"path": "data.csv", "task": "regression", "test_fraction": 0.0},
-        "parties": {"a": {"columns": cols[:3]}, "b": {"columns": cols[3:5]},
-                    "c": {"columns": cols[5:]}},
+        "parties": {
+            "a": {"columns": cols[:3]},
+            "b": {"columns": cols[3:5]},
+            "c": {"columns": cols[5:]},
+        },
         "secure": {"frac_bits": 40, "bound": 2.0**18},
         "method": {"tol_loss": 1e-13, "tol_beta": 1e-10, "max_iter": 50_000},
     }
@@ -239,8 +273,10 @@ def federated_check(design: str, n: int, rep: int, workdir: Path) -> tuple[float
         raise RuntimeError(f"federated run {design}/{n}/{rep} failed with exit status {code}")
     est = np.array([c["estimate"] for c in metrics["coefficients"]])
     se = np.array([c["se"] for c in metrics["coefficients"]])
-    return (float(np.max(np.abs(est - ref["est"]))),
-            float(np.max(np.abs(se / np.array(ref["se"]) - 1))))
+    return (
+        float(np.max(np.abs(est - ref["est"]))),
+        float(np.max(np.abs(se / np.array(ref["se"]) - 1))),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,8 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--federated-reps", type=int, default=0)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parent / "results" / "vfem_simulation.json")
+    parser.add_argument(
+        "--save-replications",
+        action="store_true",
+        help="also store every replication's estimates and SEs in the JSON (large)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "vfem_simulation.json",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     tasks = [(d, n, r) for d in args.designs for n in args.ns for r in range(args.reps)]
@@ -260,14 +304,19 @@ def main(argv: list[str] | None = None) -> int:
         for i, rec in enumerate(pool.map(one_replication, tasks, chunksize=4), start=1):
             records.append(rec)
             if i % max(1, len(tasks) // 20) == 0 or i == len(tasks):
-                print(f"{i}/{len(tasks)} replications ({time.perf_counter() - started:.0f} s)",
-                      flush=True)
+                print(
+                    f"{i}/{len(tasks)} replications ({time.perf_counter() - started:.0f} s)",
+                    flush=True,
+                )
     rows = summarise(records)
     vf = [r["vfem"] for r in records]
     meta = {
-        "reps": args.reps, "ns": args.ns, "designs": args.designs, "workers": args.workers,
-        "command": "python bench/vfem_simulation.py " + " ".join(sys.argv[1:] if argv is None
-                                                                  else argv),
+        "reps": args.reps,
+        "ns": args.ns,
+        "designs": args.designs,
+        "workers": args.workers,
+        "command": "python bench/vfem_simulation.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "platform": f"{platform.python_version()} on {platform.machine()}",
         "vfem": {
             "median_iterations": float(np.median([v["iterations"] for v in vf])),
@@ -283,12 +332,17 @@ def main(argv: list[str] | None = None) -> int:
                 for n in args.ns:
                     for r in range(args.federated_reps):
                         gaps.append(federated_check(d, n, r, Path(tmp)))
-        meta["federated"] = {"runs": len(gaps), "max_estimate_gap": max(g[0] for g in gaps),
-                             "max_se_rel_gap": max(g[1] for g in gaps)}
+        meta["federated"] = {
+            "runs": len(gaps),
+            "max_estimate_gap": max(g[0] for g in gaps),
+            "max_se_rel_gap": max(g[1] for g in gaps),
+        }
     meta["seconds"] = time.perf_counter() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "summary": rows, "replications": records},
-                                   indent=1) + "\n")
+    result = {"meta": meta, "summary": rows}
+    if args.save_replications:
+        result["replications"] = records
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(rows, meta)
     args.out.with_suffix(".md").write_text(md)
     print(md)

@@ -111,7 +111,8 @@ def laser_objective(sums: Mapping[tuple[str, ...], torch.Tensor], tasks: Iterabl
 # --------------------------------------------------------------------------------------------
 # Options ([method] table) shared by LASER and the baselines
 
-COMMON_OPTIONS = ("balanced", "lr_schedule", "lr_min_ratio", "momentum", "eval_test_missing")
+COMMON_OPTIONS = ("balanced", "lr_schedule", "lr_min_ratio", "momentum", "eval_test_missing",
+                  "scaling")
 
 
 def _opt_bool(cfg: RunConfig, key: str) -> None:
@@ -144,6 +145,9 @@ def option_checks(method: str, *, extra_keys: Sequence[str] = (),
                 raise ConfigError(f"[method] {key}",
                                   f"unknown option for method {method!r}; known: {sorted(known)}")
         _opt_bool(cfg, "balanced")
+        if scaling_of(cfg) not in SCALINGS:
+            raise ConfigError("[method] scaling", f"unknown value {scaling_of(cfg)!r}; choose "
+                              f"one of {', '.join(SCALINGS)}")
         sched = cfg.option("lr_schedule", "constant")
         if sched not in ("constant", "cosine"):
             raise ConfigError("[method] lr_schedule",
@@ -179,13 +183,28 @@ def block_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.opt
                            weight_decay=cfg.weight_decay)
 
 
+SCALINGS = ("zscore", "minmax", "none")
+
+
+def scaling_of(cfg: RunConfig) -> str:
+    """`[method] scaling`; by default z-scores, or none if `[data] standardize = false`."""
+    return str(cfg.option("scaling", "zscore" if cfg.standardize else "none"))
+
+
 def fit_scaler(values: np.ndarray, cfg: RunConfig) -> Standardizer:
-    """z-scores fitted on `values` (training rows), or the identity if `[data] standardize` is
-    false (empty cells still become 0)."""
+    """The per-column scaling fitted on `values` (training rows): z-scores, min-max to [0, 1], or
+    none. Empty cells become 0 after scaling."""
     scaler = Standardizer().fit(values)
-    if not cfg.standardize:
+    kind = scaling_of(cfg)
+    if kind == "none":
         scaler.mean = np.zeros_like(scaler.mean)
         scaler.std = np.ones_like(scaler.std)
+    elif kind == "minmax":
+        with np.errstate(all="ignore"):
+            low = np.nanmin(values, axis=0) if len(values) else np.zeros(values.shape[1])
+            span = (np.nanmax(values, axis=0) if len(values) else np.ones(values.shape[1])) - low
+        scaler.mean = np.nan_to_num(low)
+        scaler.std = np.where(np.nan_to_num(span) > 1e-12, np.nan_to_num(span), 1.0)
     return scaler
 
 

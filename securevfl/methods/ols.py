@@ -35,8 +35,11 @@ class _OlsActive(BlockRegressionActive):
     ols = True
 
     def _enough(self, ids: np.ndarray, parties: tuple[str, ...], own: bool, what: str) -> None:
-        p = (1 if self.opts.intercept else 0) + (len(self.table.columns) if own else 0) + sum(
-            len(self.config.party(q).columns) for q in parties)
+        p = (
+            (1 if self.opts.intercept else 0)
+            + (len(self.table.columns) if own else 0)
+            + sum(len(self.config.party(q).columns) for q in parties)
+        )
         if len(ids) < p + 2:
             raise VfemInputError(
                 f"{self.method_label}: only {len(ids)} {what} for {p} coefficients; OLS needs "
@@ -99,16 +102,18 @@ def _check_single(cfg: RunConfig) -> None:
             )
         return
     if party not in cfg.party_names:
-        raise ConfigError("[method] party",
-                          f"unknown role {party!r}; choose {cfg.active_name!r} or one of "
-                          f"{', '.join(cfg.party_names)}")
+        raise ConfigError(
+            "[method] party",
+            f"unknown role {party!r}; choose {cfg.active_name!r} or one of "
+            f"{', '.join(cfg.party_names)}",
+        )
     if cfg.aggregation != "plain" and cfg.min_group > 1:
         raise ConfigError(
             "[method] party",
             f"a single-party fit of the passive party {party!r} sends its per-row predictor "
             "to the active party (a sum over one contributor), which secure aggregation refuses; "
             "fit the active party's own block instead, or accept the release explicitly with "
-            "[run] min_group = 1 (or aggregation = \"plain\")",
+            '[run] min_group = 1 (or aggregation = "plain")',
         )
 
 
@@ -119,18 +124,33 @@ class _OlsParty(BlockRegressionParty):
     method_label = "ols"
 
 
-register_method(MethodSpec(
-    name="cc-ols", active=CompleteCaseActive, party=_OlsParty, tasks=("regression",),
-    description="complete-case OLS over the parties (a VFEM comparator)",
-    extra_checks=(option_check(COMMON_OPTIONS),),
-))
-register_method(MethodSpec(
-    name="impute-ols", active=MeanImputationActive, party=_OlsParty, tasks=("regression",),
-    description="mean-imputation OLS over the parties (a VFEM comparator)",
-    extra_checks=(option_check(COMMON_OPTIONS),),
-))
-register_method(MethodSpec(
-    name="single-ols", active=SinglePartyActive, party=_OlsParty, tasks=("regression",),
-    description="OLS on one role's block (a VFEM comparator)",
-    extra_checks=(option_check(_SINGLE_OPTIONS), _check_single),
-))
+register_method(
+    MethodSpec(
+        name="cc-ols",
+        active=CompleteCaseActive,
+        party=_OlsParty,
+        tasks=("regression",),
+        description="complete-case OLS over the parties (a VFEM comparator)",
+        extra_checks=(option_check(COMMON_OPTIONS),),
+    )
+)
+register_method(
+    MethodSpec(
+        name="impute-ols",
+        active=MeanImputationActive,
+        party=_OlsParty,
+        tasks=("regression",),
+        description="mean-imputation OLS over the parties (a VFEM comparator)",
+        extra_checks=(option_check(COMMON_OPTIONS),),
+    )
+)
+register_method(
+    MethodSpec(
+        name="single-ols",
+        active=SinglePartyActive,
+        party=_OlsParty,
+        tasks=("regression",),
+        description="OLS on one role's block (a VFEM comparator)",
+        extra_checks=(option_check(_SINGLE_OPTIONS), _check_single),
+    )
+)

@@ -170,10 +170,11 @@ class SplitNNActive(ActiveMethod):
                 loss.backward()
                 # per-sample gradients dl_i/dS_i (loss is a mean): DP clips rows of these
                 per_sample = (s.grad * len(ids)).cpu().numpy()
+                # the head steps first: a DP-SGD budget that runs out stops before any release
+                self.training.step(epoch=epoch)
                 released = ctx.release_gradients({"grad": per_sample}, epoch=epoch, ids=ids)
                 ctx.call("backward", ids=ids, inputs={"grad": released["grad"] / len(ids)},
                          to=ctx.parties)
-                self.training.step(epoch=epoch)
                 total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
             ctx.epoch_done(epoch, stats={

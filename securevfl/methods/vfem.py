@@ -9,11 +9,11 @@ applied to the map actually iterated (notes §5.1).
 
 Where things live: each passive party keeps its rows, its standardisation constants and its
 beta_k, mu_k, Sigma_k; the active party keeps y, sigma^2, the intercept and its own block (if
-it holds columns). Per iteration (notes §3.2, reduced to one secure-sum round):
+it holds columns). Per iteration (notes §3.2, with one secure-sum round):
 
 1. E-step round (one call, every party): secure sums over the parties of the per-row partial
    predictors (x_i^k' beta_k, or mu_k' beta_k on a missing row), of the per-row missing-block
-   variance terms (beta_k' Sigma_k beta_k on a missing row), and of three scalars (the
+   variance terms (beta_k' Sigma_k beta_k on a missing row), and of two scalars (the
    covariate log-likelihood, max |delta beta_k|).
 2. The active party forms tau_i, the pseudo-complete residuals e_i and the next sigma^2.
 3. M-step (one call per party): party k receives e (every row), 1/tau_i on the rows it lacks
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+import torch
 
 from securevfl.config import ConfigError, RunConfig
 from securevfl.methods.base import (
@@ -69,7 +70,7 @@ COMMON_OPTIONS: dict[str, Any] = {
     "level": 0.95,
     "checkpoint_every": 100,
 }
-VFEM_OPTIONS: dict[str, Any] = {**COMMON_OPTIONS, "init": "cc"}
+VFEM_OPTIONS: dict[str, Any] = {**COMMON_OPTIONS, "init": "impute"}
 INITS = ("cc", "impute", "zero")
 MIN_FRAC_BITS = 32
 SUGGESTED_FRAC_BITS = 40
@@ -77,7 +78,7 @@ SUGGESTED_BOUND = 2.0**18
 # probe evaluations per secure-sum round: rows x evaluations stays below this many floats
 PROBE_FLOATS = 1 << 21
 # sigma^2 is ~1 on the internal (standardised) scale; far beyond means the iteration diverged
-DIVERGED_LOSS = 1e8
+DIVERGED_LOSS = 1e4
 
 
 class VfemInputError(ValueError):
@@ -102,7 +103,7 @@ class FitOptions:
     sem_step: float
     level: float
     checkpoint_every: int
-    init: str = "cc"
+    init: str = "impute"
     party: str | None = None
 
     @classmethod
@@ -115,10 +116,11 @@ class FitOptions:
             tol_loss=float(cfg.option("tol_loss", COMMON_OPTIONS["tol_loss"])),
             tol_beta=float(cfg.option("tol_beta", COMMON_OPTIONS["tol_beta"])),
             se=cfg.option("se", "sem") == "sem",
-            sem_step=float(cfg.option("sem_step", COMMON_OPTIONS["sem_step"])),
+            # CKKS sums carry ~1e-7 relative noise: a longer difference step keeps SEM accurate
+            sem_step=float(cfg.option("sem_step", 1e-3 if cfg.aggregation == "ckks" else 1e-5)),
             level=float(cfg.option("level", COMMON_OPTIONS["level"])),
             checkpoint_every=int(cfg.option("checkpoint_every", 100)),
-            init=str(cfg.option("init", "cc")),
+            init=str(cfg.option("init", "impute")),
             party=cfg.option("party"),
         )
 
@@ -131,21 +133,28 @@ def option_check(defaults: Mapping[str, Any]) -> Callable[[RunConfig], None]:
         options = dict(cfg.method_options)
         for key in options:
             if key not in defaults:
-                raise ConfigError(f"[method] {key}",
-                                  f"unknown option for {cfg.method!r}; known: {sorted(defaults)}")
+                raise ConfigError(
+                    f"[method] {key}",
+                    f"unknown option for {cfg.method!r}; known: {sorted(defaults)}",
+                )
 
-        def number(key: str, *, integer: bool = False, lo: float = 0.0, hi: float = math.inf
-                   ) -> None:
+        def number(
+            key: str, *, integer: bool = False, lo: float = 0.0, hi: float = math.inf
+        ) -> None:
             if key not in options:
                 return
             v = options[key]
             ok = isinstance(v, int) if integer else isinstance(v, int | float)
             if isinstance(v, bool) or not ok or not (lo < v <= hi) or not math.isfinite(v):
                 kind = "an integer" if integer else "a number"
-                raise ConfigError(f"[method] {key}", f"must be {kind} in ({lo:g}, {hi:g}], got {v!r}")
+                raise ConfigError(
+                    f"[method] {key}", f"must be {kind} in ({lo:g}, {hi:g}], got {v!r}"
+                )
 
         if "intercept" in options and not isinstance(options["intercept"], bool):
-            raise ConfigError("[method] intercept", f"must be true or false, got {options['intercept']!r}")
+            raise ConfigError(
+                "[method] intercept", f"must be true or false, got {options['intercept']!r}"
+            )
         if "eta" in options and options["eta"] != "auto":
             number("eta", hi=100.0)
         for key in ("tol_loss", "tol_beta", "sem_step"):
@@ -154,10 +163,11 @@ def option_check(defaults: Mapping[str, Any]) -> Callable[[RunConfig], None]:
         for key in ("max_iter", "checkpoint_every"):
             number(key, integer=True, hi=10**9)
         if options.get("se", "sem") not in ("sem", "none"):
-            raise ConfigError("[method] se", f"choose \"sem\" or \"none\", got {options['se']!r}")
-        if "init" in defaults and options.get("init", "cc") not in INITS:
-            raise ConfigError("[method] init",
-                              f"choose one of {', '.join(INITS)}, got {options['init']!r}")
+            raise ConfigError("[method] se", f'choose "sem" or "none", got {options["se"]!r}')
+        if "init" in defaults and options.get("init", "impute") not in INITS:
+            raise ConfigError(
+                "[method] init", f"choose one of {', '.join(INITS)}, got {options['init']!r}"
+            )
         if cfg.aggregation == "mask" and cfg.frac_bits < MIN_FRAC_BITS:
             raise ConfigError(
                 "[secure] frac_bits",
@@ -186,8 +196,15 @@ class BlockState:
     method's operations. Raises `VfemInputError` naming `owner` and the column for data the
     model cannot fit."""
 
-    def __init__(self, *, owner: str, columns: Sequence[str], values: np.ndarray,
-                 intercept: bool, standardize: bool) -> None:
+    def __init__(
+        self,
+        *,
+        owner: str,
+        columns: Sequence[str],
+        values: np.ndarray,
+        intercept: bool,
+        standardize: bool,
+    ) -> None:
         self.owner = owner
         self.columns = tuple(columns)
         values = np.asarray(values, dtype=np.float64)
@@ -235,8 +252,9 @@ class BlockState:
         self.center = mean if (intercept and standardize) else np.zeros(p)
         self.scale = sd if standardize else np.ones(p)
         self.held = held
-        self.z = np.where(held[:, None], (np.where(nan, 0.0, values) - self.center) / self.scale,
-                          0.0)
+        self.z = np.where(
+            held[:, None], (np.where(nan, 0.0, values) - self.center) / self.scale, 0.0
+        )
         mu, sigma = available_case_moments(self.z, held)
         self.params = BlockParams(np.zeros(p), mu, sigma)
         self.model_x = True
@@ -305,8 +323,16 @@ class BlockState:
         return out
 
     def mstep(self, *, e: np.ndarray, w: np.ndarray, sigma2: float, eta: float) -> None:
-        new = mstep(self.z_d, self.obs_d, self.params, e=e, w=w, sigma2=sigma2, eta=eta,
-                    model_x=self.model_x)
+        new = mstep(
+            self.z_d,
+            self.obs_d,
+            self.params,
+            e=e,
+            w=w,
+            sigma2=sigma2,
+            eta=eta,
+            model_x=self.model_x,
+        )
         if not np.all(np.isfinite(new.beta)):
             raise VfemDivergence(f"{self.owner}: beta became non-finite; lower [method] eta")
         self.dbeta = float(np.max(np.abs(new.beta - self.params.beta)))
@@ -323,8 +349,7 @@ class BlockState:
     def probe_setup(self, *, d: int, h: float) -> None:
         """Secret random directions for this block's coordinates (rows of V), drawn from the
         OS's CSPRNG so that no other role can regenerate them."""
-        rng = np.random.default_rng(secrets.randbits(128))
-        self.v = rng.standard_normal((self.n_coordinates(), d))
+        self.v = secret_directions(self.n_coordinates(), d)
         self.w_jac = np.zeros_like(self.v)
         self.theta_hat = self.params.copy()
         self.h = h
@@ -341,15 +366,24 @@ class BlockState:
                 qs.append(q)
         return {"m": np.stack(hs), "q": np.stack(qs)}
 
-    def probe_mstep(self, cols: Sequence[int], *, e: np.ndarray, w: np.ndarray,
-                    sigma2: np.ndarray, eta: float) -> None:
+    def probe_mstep(
+        self, cols: Sequence[int], *, e: np.ndarray, w: np.ndarray, sigma2: np.ndarray, eta: float
+    ) -> None:
         """Accumulate the central differences (G(theta + h v_j) - G(theta - h v_j)) / 2h of this
         block's part of the map."""
         for i, j in enumerate(cols):
             for s, sign in enumerate((1.0, -1.0)):
                 k = 2 * i + s
-                out = mstep(self.z_d, self.obs_d, self._probe_params(j, sign), e=e[k], w=w[k],
-                            sigma2=float(sigma2[k]), eta=eta, model_x=self.model_x)
+                out = mstep(
+                    self.z_d,
+                    self.obs_d,
+                    self._probe_params(j, sign),
+                    e=e[k],
+                    w=w[k],
+                    sigma2=float(sigma2[k]),
+                    eta=eta,
+                    model_x=self.model_x,
+                )
                 self.w_jac[:, j] += sign * out.coordinates(model_x=self.model_x) / (2 * self.h)
 
     def sem_sums(self, *, intercept: bool) -> dict[str, np.ndarray]:
@@ -385,13 +419,30 @@ class BlockState:
         return estep_terms(z, held, self.params)[0]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.params.beta, "mu": self.params.mu, "sigma": self.params.sigma,
-                "dbeta": self.dbeta}
+        # tensors and Python numbers only: checkpoints are read with torch's weights_only
+        return {
+            "beta": torch.from_numpy(self.params.beta.copy()),
+            "mu": torch.from_numpy(self.params.mu.copy()),
+            "sigma": torch.from_numpy(self.params.sigma.copy()),
+            "dbeta": float(self.dbeta),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.params = BlockParams(np.asarray(state["beta"]), np.asarray(state["mu"]),
-                                  np.asarray(state["sigma"]))
+        self.params = BlockParams(
+            np.asarray(state["beta"], dtype=np.float64),
+            np.asarray(state["mu"], dtype=np.float64),
+            np.asarray(state["sigma"], dtype=np.float64),
+        )
         self.dbeta = float(state["dbeta"])
+
+
+def secret_directions(rows: int, d: int) -> np.ndarray:
+    """`rows` orthonormal random rows of length d (a role's rows of the SEM direction matrix V),
+    from the operating system's CSPRNG so that no other role can regenerate them. Orthonormal
+    within a role keeps V, and so U'U, well conditioned."""
+    rng = np.random.default_rng(secrets.randbits(128))
+    q, _ = np.linalg.qr(rng.standard_normal((d, rows)))
+    return q.T.copy()
 
 
 # ---------------------------------------------------------------------------- party stage
@@ -436,21 +487,26 @@ class BlockRegressionParty(PartyMethod):
     def _sums(self, out: dict[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
         cfg = self.config
         if cfg.aggregation == "mask":
-            for name, value in out.items():
+            for value in out.values():
                 worst = float(np.max(np.abs(value))) if np.size(value) else 0.0
                 if not worst <= cfg.bound:
                     raise VfemInputError(
                         f"party {self.name!r}: {what} reaches {worst:.4g}, beyond [secure] bound "
-                        f"= {cfg.bound:g}; raise the bound (keeping log2(bound) + frac_bits <= 58)"
+                        f"= {cfg.bound:g}; raise the bound (keeping log2(bound) + frac_bits "
+                        "<= 58), or, if the values grew over the iterations, the iteration "
+                        "diverges: lower [method] eta"
                     )
         return split_for_plain(out) if cfg.aggregation == "plain" else out
 
-    def handle(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any],
-               inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def handle(
+        self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         if op == "prepare":
             self.block = BlockState(
-                owner=f"party {self.name!r}", columns=self.table.columns,
-                values=self._values(ids), intercept=bool(args["intercept"]),
+                owner=f"party {self.name!r}",
+                columns=self.table.columns,
+                values=self._values(ids),
+                intercept=bool(args["intercept"]),
                 standardize=bool(args["standardize"]),
             )
             self.prepared_ids = np.asarray(ids)
@@ -473,9 +529,12 @@ class BlockRegressionParty(PartyMethod):
         if op == "mstep":
             block = self._check_rows(ids)
             w = inputs.get("w")
-            block.mstep(e=np.asarray(inputs["e"], dtype=np.float64),
-                        w=np.zeros(len(ids)) if w is None else np.asarray(w, dtype=np.float64),
-                        sigma2=float(args["sigma2"]), eta=float(args["eta"]))
+            block.mstep(
+                e=np.asarray(inputs["e"], dtype=np.float64),
+                w=np.zeros(len(ids)) if w is None else np.asarray(w, dtype=np.float64),
+                sigma2=float(args["sigma2"]),
+                eta=float(args["eta"]),
+            )
             return {}
         if op == "revert":
             self._check_rows(ids).revert()
@@ -490,10 +549,13 @@ class BlockRegressionParty(PartyMethod):
             block = self._check_rows(ids)
             e = np.asarray(inputs["e"], dtype=np.float64)
             w = inputs.get("w")
-            block.probe_mstep([int(j) for j in args["cols"]], e=e,
-                              w=np.zeros_like(e) if w is None else np.asarray(w, dtype=np.float64),
-                              sigma2=np.asarray(inputs["sigma2"], dtype=np.float64),
-                              eta=float(args["eta"]))
+            block.probe_mstep(
+                [int(j) for j in args["cols"]],
+                e=e,
+                w=np.zeros_like(e) if w is None else np.asarray(w, dtype=np.float64),
+                sigma2=np.asarray(inputs["sigma2"], dtype=np.float64),
+                eta=float(args["eta"]),
+            )
             return {}
         if op == "sem_sums":
             out = self._check_rows(ids).sem_sums(intercept=bool(args["intercept"]))
@@ -508,8 +570,7 @@ class BlockRegressionParty(PartyMethod):
         if op == "predict":
             if self.block is None:
                 raise RuntimeError(f"party {self.name!r}: 'predict' before 'prepare'")
-            return self._sums({"m": self.block.predict(self._values(ids))},
-                              "a per-row prediction")
+            return self._sums({"m": self.block.predict(self._values(ids))}, "a per-row prediction")
         raise UnknownOperation(self.method_label, op)
 
     def state_dict(self) -> dict[str, Any]:
@@ -533,8 +594,14 @@ class _Federation:
         self.parties = tuple(parties)
         self.plain = plain
 
-    def sums(self, op: str, *, ids: np.ndarray, names: Sequence[str],
-             args: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    def sums(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        names: Sequence[str],
+        args: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
         """Secure sums over every party of each tensor in `names` (empty dict if no party)."""
         if not self.parties:
             return {}
@@ -547,19 +614,37 @@ class _Federation:
                 out[n] = out[n] + got[f"{n}_lo"]
         return out
 
-    def each(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any],
-             inputs: Callable[[int, str], dict[str, np.ndarray]]) -> None:
+    def each(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any],
+        inputs: Callable[[int, str], dict[str, np.ndarray]],
+    ) -> None:
         """One call per party (inputs meant for that party only)."""
         for k, party in enumerate(self.parties):
             self.ctx.call(op, ids=ids, args=dict(args), inputs=inputs(k, party), to=[party])
 
-    def broadcast(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any] | None = None,
-                  inputs: Mapping[str, np.ndarray] | None = None, collect: Sequence[str] = ()
-                  ) -> dict[str, np.ndarray]:
+    def broadcast(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        collect: Sequence[str] = (),
+    ) -> dict[str, np.ndarray]:
         if not self.parties:
             return {}
-        return self.ctx.call(op, ids=ids, args=dict(args or {}), inputs=dict(inputs or {}),
-                             to=list(self.parties), collect=list(collect))
+        return self.ctx.call(
+            op,
+            ids=ids,
+            args=dict(args or {}),
+            inputs=dict(inputs or {}),
+            to=list(self.parties),
+            collect=list(collect),
+        )
 
 
 class _OscillationTracker:
@@ -631,8 +716,9 @@ class BlockRegressionActive(ActiveMethod):
 
     # -- the designs a method fits (overridden by the comparators) ----------------------
 
-    def designs(self, ctx: ActiveContext, train_ids: np.ndarray
-                ) -> list[tuple[str, np.ndarray, tuple[str, ...], bool]]:
+    def designs(
+        self, ctx: ActiveContext, train_ids: np.ndarray
+    ) -> list[tuple[str, np.ndarray, tuple[str, ...], bool]]:
         """[(kind, ids, parties, use_own)] fitted in turn; the last one is reported. VFEM:
         the start (complete-case or mean-imputation OLS), then the EM fit on every row."""
         parties = tuple(ctx.parties)
@@ -641,11 +727,12 @@ class BlockRegressionActive(ActiveMethod):
         if self.opts.init == "cc":
             cc = self._complete_rows(ctx, train_ids)
             p_total = len(self.table.columns) + sum(
-                len(self.config.party(p).columns) for p in parties)
+                len(self.config.party(p).columns) for p in parties
+            )
             if len(cc) < p_total + 2:
                 raise VfemInputError(
-                    f"[method] init = \"cc\": only {len(cc)} training rows are complete at every "
-                    f"party, too few for {p_total} coefficients; set [method] init = \"impute\""
+                    f'[method] init = "cc": only {len(cc)} training rows are complete at every '
+                    f'party, too few for {p_total} coefficients; set [method] init = "impute"'
                 )
             out.append(("complete", cc, parties, own))
         elif self.opts.init == "impute":
@@ -683,37 +770,54 @@ class BlockRegressionActive(ActiveMethod):
         # every block checks its data first, so that a party's problem is the one reported
         all_parties, use_own = self.participants(ctx)
         prep = _Federation(ctx, all_parties, plain=cfg.aggregation == "plain")
-        prep.broadcast("prepare", ids=train_ids,
-                       args={"intercept": opts.intercept, "standardize": cfg.standardize})
+        prep.broadcast(
+            "prepare",
+            ids=train_ids,
+            args={"intercept": opts.intercept, "standardize": cfg.standardize},
+        )
         if use_own:
-            self.own = BlockState(owner=f"the active party ({cfg.active_name!r})",
-                                  columns=self.table.columns, values=self.table.rows(train_ids),
-                                  intercept=opts.intercept, standardize=cfg.standardize)
+            self.own = BlockState(
+                owner=f"the active party ({cfg.active_name!r})",
+                columns=self.table.columns,
+                values=self.table.rows(train_ids),
+                intercept=opts.intercept,
+                standardize=cfg.standardize,
+            )
             if "own" in self.progress:
                 self.own.load_state_dict(self.progress["own"])
         plan = self.designs(ctx, train_ids)
         start_phase = min(int(self.progress.get("design", 0)), len(plan) - 1)
-        resuming = ctx.start_epoch > 0 and self.progress.get("phase") == "iterate"
+        # resume in the middle of a design's iterations, or start the next design afresh
+        resuming = ctx.start_epoch > 0 and bool(self.progress.get("started", 0))
         for index, (kind, ids, parties, use_own) in enumerate(plan):
             if index < start_phase:
                 continue
             last = index == len(plan) - 1
-            self._set_design(ctx, kind, ids, parties, use_own,
-                             reset=not (resuming and index == start_phase))
-            self._iterate(ctx, index, resume=resuming and index == start_phase,
-                          loose=not last)
+            self._set_design(
+                ctx, kind, ids, parties, use_own, reset=not (resuming and index == start_phase)
+            )
+            self._iterate(ctx, index, resume=resuming and index == start_phase, loose=not last)
         self._inference(ctx)
         self.progress["phase"] = "done"
 
-    def _set_design(self, ctx: ActiveContext, kind: str, ids: np.ndarray,
-                    parties: tuple[str, ...], use_own: bool, *, reset: bool) -> None:
+    def _set_design(
+        self,
+        ctx: ActiveContext,
+        kind: str,
+        ids: np.ndarray,
+        parties: tuple[str, ...],
+        use_own: bool,
+        *,
+        reset: bool,
+    ) -> None:
         positions = np.searchsorted(self.train_ids, ids)
         presence = ctx.presence(ids)
         missing = {p: ~presence[:, self.config.party_names.index(p)] for p in parties}
         self.design = _Design(kind, ids, positions, parties, missing, use_own)
         self.fed = _Federation(ctx, parties, plain=self.config.aggregation == "plain")
-        got = self.fed.broadcast("design", ids=ids, args={"kind": kind, "reset": reset},
-                                 collect=["spectrum"])
+        got = self.fed.broadcast(
+            "design", ids=ids, args={"kind": kind, "reset": reset}, collect=["spectrum"]
+        )
         spectra = [np.asarray(got[f"spectrum@{p}"], dtype=np.float64) for p in parties]
         if use_own and self.own is not None:
             self.own.set_design(kind, positions, reset=reset)
@@ -767,8 +871,7 @@ class BlockRegressionActive(ActiveMethod):
                 out["w"] = np.where(d.missing[party], w, 0.0)
             return out
 
-        self.fed.each("mstep", ids=d.ids, args={"sigma2": sigma2, "eta": self.eta},
-                      inputs=inputs)
+        self.fed.each("mstep", ids=d.ids, args={"sigma2": sigma2, "eta": self.eta}, inputs=inputs)
         if own is not None:
             own.mstep(e=e, w=w, sigma2=sigma2, eta=self.eta)
         if self.opts.intercept:
@@ -789,7 +892,7 @@ class BlockRegressionActive(ActiveMethod):
         tol_loss = opts.tol_loss * (1e3 if loose else 1.0)
         yz = self.yz_all[d.positions]
         n = len(yz)
-        self.progress.update({"phase": "iterate", "design": index})
+        self.progress.update({"phase": "iterate", "design": index, "started": 1})
         t = int(self.progress.get("t", 0)) if resume else 0
         prev_loss = self.progress.get("prev_loss") if resume else None
         alpha_prev = self.progress.get("alpha_prev") if resume else None
@@ -805,7 +908,7 @@ class BlockRegressionActive(ActiveMethod):
             e, w, loss = combine_rows(yz, terms["m"], terms["q"], self.sigma2)
             if opts.eta is None:
                 lam_top = tracker.update(terms["m"], self.eta)
-                if lam_top is not None:
+                if lam_top is not None and 2.0 / (lam_top + self.lam_low) < 0.99 * self.eta:
                     # the iteration oscillates along its stiffest direction: eta is too close
                     # to 2 / lambda_max (cross-party correlation, which the blocks' own spectra
                     # cannot see); retune to 2 / (lambda_max + lambda_min)
@@ -813,8 +916,11 @@ class BlockRegressionActive(ActiveMethod):
                     retunes += 1
             ll = None
             if d.model_x:
-                ll = (y_loglik(yz, terms["m"], terms["q"], self.sigma2)
-                      - n * math.log(self.y_scale) + n * float(terms["ll"][0]))
+                ll = (
+                    y_loglik(yz, terms["m"], terms["q"], self.sigma2)
+                    - n * math.log(self.y_scale)
+                    + n * float(terms["ll"][0])
+                )
             obj = ll if ll is not None else -loss
             if not (np.isfinite(loss) and loss < DIVERGED_LOSS and np.isfinite(obj)):
                 if opts.eta is None and saved is not None and self.eta > 1e-6:
@@ -827,8 +933,12 @@ class BlockRegressionActive(ActiveMethod):
                     f"{label}: the loss became {loss:.4g} at iteration {t} with eta = "
                     f"{self.eta:.4g}; the iteration diverges: set a smaller [method] eta"
                 )
-            if (opts.eta is None and saved is not None and prev_obj is not None
-                    and obj < prev_obj - 1e-9 * (1.0 + abs(prev_obj))):
+            if (
+                opts.eta is None
+                and saved is not None
+                and prev_obj is not None
+                and obj < prev_obj - 1e-9 * (1.0 + abs(prev_obj))
+            ):
                 self._backtrack(saved)
                 backtracks += 1
                 prev_loss = alpha_prev = None
@@ -837,8 +947,7 @@ class BlockRegressionActive(ActiveMethod):
             change = float(terms["dbeta"][0])
             if alpha_prev is not None:
                 change += abs(self.alpha0 - alpha_prev)
-            if (prev_loss is not None and abs(loss - prev_loss) < tol_loss
-                    and change < tol_beta):
+            if prev_loss is not None and abs(loss - prev_loss) < tol_loss and change < tol_beta:
                 converged = True
                 break
             if t >= opts.max_iter:
@@ -851,24 +960,50 @@ class BlockRegressionActive(ActiveMethod):
             self.sigma2 = loss
             t += 1
             if t % opts.checkpoint_every == 0:
-                self.progress.update({"t": t, "prev_loss": prev_loss, "alpha_prev": alpha_prev,
-                                      "backtracks": backtracks, "eta": self.eta})
-                self._commit(ctx, {"iteration": t, "sigma2": loss * self.y_scale**2,
-                                   "beta_change": change})
+                self.progress.update(
+                    {
+                        "t": t,
+                        "prev_loss": prev_loss,
+                        "alpha_prev": alpha_prev,
+                        "backtracks": backtracks,
+                        "eta": self.eta,
+                    }
+                )
+                self._commit(
+                    ctx, {"iteration": t, "sigma2": loss * self.y_scale**2, "beta_change": change}
+                )
         self.last_terms = terms
         self.last_e = e
         self.fit_info = {
-            "design": d.kind, "n": n, "iterations": t, "converged": converged, "eta": self.eta,
-            "eta_halvings": backtracks, "eta_retunes": retunes, "sigma2": self.sigma2 * self.y_scale**2, "loglik": ll,
+            "design": d.kind,
+            "n": n,
+            "iterations": t,
+            "converged": converged,
+            "eta": self.eta,
+            "eta_halvings": backtracks,
+            "eta_retunes": retunes,
+            "sigma2": self.sigma2 * self.y_scale**2,
+            "loglik": ll,
             "beta_change": change,
         }
         if not converged and not loose:
-            ctx.log(f"{label}: not converged after {t} iterations (max_iter); estimates and "
-                    "standard errors are unreliable: raise [method] max_iter")
-        self.progress.update({"t": 0, "prev_loss": None, "alpha_prev": None, "backtracks": 0,
-                              "design": index + 1})
-        self._commit(ctx, {"iteration": t, "sigma2": self.sigma2 * self.y_scale**2,
-                           "beta_change": change})
+            ctx.log(
+                f"{label}: not converged after {t} iterations (max_iter); estimates and "
+                "standard errors are unreliable: raise [method] max_iter"
+            )
+        self.progress.update(
+            {
+                "t": 0,
+                "prev_loss": None,
+                "alpha_prev": None,
+                "backtracks": 0,
+                "design": index + 1,
+                "started": 0,
+            }
+        )
+        self._commit(
+            ctx, {"iteration": t, "sigma2": self.sigma2 * self.y_scale**2, "beta_change": change}
+        )
 
     def _backtrack(self, saved: tuple[float, float]) -> None:
         """Undo the last M-step everywhere and halve eta."""
@@ -900,8 +1035,11 @@ class BlockRegressionActive(ActiveMethod):
         ginv = None
         va = ub = None
         glob = self._global_coords()
-        p_beta = (1 if opts.intercept else 0) + (own.p if own is not None else 0) + sum(
-            len(self.config.party(p).columns) for p in d.parties)
+        p_beta = (
+            (1 if opts.intercept else 0)
+            + (own.p if own is not None else 0)
+            + sum(len(self.config.party(p).columns) for p in d.parties)
+        )
         shift = 0.0
         if opts.intercept:
             # sum_k (center_k / scale_k)' beta_k: moves the intercept back to the original scale
@@ -909,12 +1047,18 @@ class BlockRegressionActive(ActiveMethod):
             if own is not None:
                 shift += own.shift()
         if opts.se:
-            dims = [BlockParams.n_coordinates(len(self.config.party(p).columns),
-                                              model_x=d.model_x) for p in d.parties]
+            dims = [
+                BlockParams.n_coordinates(len(self.config.party(p).columns), model_x=d.model_x)
+                for p in d.parties
+            ]
             d_total = len(glob) + (own.n_coordinates() if own is not None else 0) + sum(dims)
             v_g, u_g = self._probe(d_total)
-            sums = fed.sums("sem_sums", ids=d.ids, names=["gram", "va", "ub"],
-                            args={"intercept": opts.intercept})
+            sums = fed.sums(
+                "sem_sums",
+                ids=d.ids,
+                names=["gram", "va", "ub"],
+                args={"intercept": opts.intercept},
+            )
             gram = u_g.T @ u_g + sums.get("gram", 0.0)
             va = sums.get("va", np.zeros(d_total)).copy()
             ub = sums.get("ub", np.zeros(d_total)).copy()
@@ -927,16 +1071,19 @@ class BlockRegressionActive(ActiveMethod):
                 va += v_g[0]
                 ub += u_g[0]
             cond = np.linalg.cond(gram)
-            if not (np.isfinite(cond) and cond < 1e14):
+            if not (np.isfinite(cond) and cond < 1e15):
                 raise VfemInputError(
                     f"{self.method_label}: the information matrix is singular (condition "
                     f"{cond:.3g}): some coefficient is not identified, e.g. columns collinear "
                     "across parties; drop one of them"
                 )
             ginv = np.linalg.inv(gram)
-        got = fed.broadcast("finish", ids=d.ids,
-                            inputs={} if ginv is None else {"ginv": ginv},
-                            collect=["coef", "var"])
+        got = fed.broadcast(
+            "finish",
+            ids=d.ids,
+            inputs={} if ginv is None else {"ginv": ginv},
+            collect=["coef", "var"],
+        )
         rss_sigma2 = float(np.mean(self.last_e**2)) if self.ols else self.sigma2
         if self.ols:
             # classical OLS: s^2 = RSS / (n - p)
@@ -953,16 +1100,27 @@ class BlockRegressionActive(ActiveMethod):
         if own is not None:
             blocks.append((self.config.active_name, own.columns, own.sem_finish(ginv)))
         for p in d.parties:
-            blocks.append((p, self.config.party(p).columns,
-                           {"coef": np.asarray(got[f"coef@{p}"], dtype=np.float64),
-                            "var": np.asarray(got[f"var@{p}"], dtype=np.float64)}))
+            blocks.append(
+                (
+                    p,
+                    self.config.party(p).columns,
+                    {
+                        "coef": np.asarray(got[f"coef@{p}"], dtype=np.float64),
+                        "var": np.asarray(got[f"var@{p}"], dtype=np.float64),
+                    },
+                )
+            )
         for party, columns, out in blocks:
             for j, col in enumerate(columns):
-                rows.append((party, col, float(out["coef"][j]),
-                             float(out["var"][j]) * factor))
+                rows.append((party, col, float(out["coef"][j]), float(out["var"][j]) * factor))
         self.coefficients = self._table(rows, n=n, p_beta=p_beta)
-        self.fit_info.update({"se": "sem" if ginv is not None else "none", "p": p_beta,
-                              "sigma2": scale2 * self.y_scale**2})
+        self.fit_info.update(
+            {
+                "se": "sem" if ginv is not None else "none",
+                "p": p_beta,
+                "sigma2": scale2 * self.y_scale**2,
+            }
+        )
 
     def _probe(self, d_total: int) -> tuple[np.ndarray, np.ndarray]:
         """Central differences of the map along secret random directions; returns the active
@@ -975,9 +1133,8 @@ class BlockRegressionActive(ActiveMethod):
         fed.broadcast("probe_setup", ids=d.ids, args={"d": d_total, "h": h})
         if own is not None:
             own.probe_setup(d=d_total, h=h)
-        rng = np.random.default_rng(secrets.randbits(128))
         glob = self._global_coords()
-        v_g = rng.standard_normal((len(glob), d_total))
+        v_g = secret_directions(len(glob), d_total)
         w_g = np.zeros_like(v_g)
         ia = glob.index("alpha0") if "alpha0" in glob else None
         isg = glob.index("sigma2") if "sigma2" in glob else None
@@ -1016,19 +1173,20 @@ class BlockRegressionActive(ActiveMethod):
             if own is not None:
                 own.probe_mstep(cols, e=e_all, w=w_all, sigma2=sig2, eta=self.eta)
 
-            def inputs(_k: int, party: str, e_all=e_all, w_all=w_all, sig2=sig2
-                       ) -> dict[str, np.ndarray]:
+            def inputs(
+                _k: int, party: str, e_all=e_all, w_all=w_all, sig2=sig2
+            ) -> dict[str, np.ndarray]:
                 out = {"e": e_all, "sigma2": sig2}
                 if d.model_x and d.missing[party].any():
                     out["w"] = np.where(d.missing[party][None, :], w_all, 0.0)
                 return out
 
-            fed.each("probe_mstep", ids=d.ids, args={"cols": cols, "eta": self.eta},
-                     inputs=inputs)
+            fed.each("probe_mstep", ids=d.ids, args={"cols": cols, "eta": self.eta}, inputs=inputs)
         return v_g, v_g - w_g
 
-    def _table(self, rows: Sequence[tuple[str, str, float, float]], *, n: int, p_beta: int
-               ) -> list[dict[str, Any]]:
+    def _table(
+        self, rows: Sequence[tuple[str, str, float, float]], *, n: int, p_beta: int
+    ) -> list[dict[str, Any]]:
         from scipy import stats as sps
 
         level = self.opts.level
@@ -1051,11 +1209,18 @@ class BlockRegressionActive(ActiveMethod):
             if var < 0:
                 se = math.nan
             z = est / se if se and math.isfinite(se) and se > 0 else math.nan
-            out.append({
-                "party": party, "name": name, "estimate": est, "se": se, "z": z,
-                "p": pvalue(z) if math.isfinite(z) else math.nan,
-                "ci_low": est - crit * se, "ci_high": est + crit * se,
-            })
+            out.append(
+                {
+                    "party": party,
+                    "name": name,
+                    "estimate": est,
+                    "se": se,
+                    "z": z,
+                    "p": pvalue(z) if math.isfinite(z) else math.nan,
+                    "ci_low": est - crit * se,
+                    "ci_high": est + crit * se,
+                }
+            )
         return out
 
     # -- prediction, reporting -----------------------------------------------------------
@@ -1071,8 +1236,13 @@ class BlockRegressionActive(ActiveMethod):
         return task_metrics("regression", y_true=self.table.label_rows(ids), output=pred)
 
     def summary(self) -> dict[str, Any]:
-        return {"coefficients": self.coefficients,
-                "fit": {"method": self.config.method, **self.fit_info}}
+        def clean(v: Any) -> Any:  # JSON has no NaN: an absent SE (se = "none") is null
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return {
+            "coefficients": [{k: clean(v) for k, v in row.items()} for row in self.coefficients],
+            "fit": {"method": self.config.method, **self.fit_info},
+        }
 
     def report(self, run_dir: Path, out: IO[str]) -> None:
         path = Path(run_dir) / "coefficients.csv"
@@ -1087,13 +1257,19 @@ class BlockRegressionActive(ActiveMethod):
     def _title(self) -> str:
         info = self.fit_info
         state = "converged" if info.get("converged") else "NOT converged"
-        return (f"{self.config.method}: n = {info.get('n')}, {info.get('iterations')} iterations "
-                f"({state}), eta = {info.get('eta', float('nan')):.4g}, "
-                f"sigma^2 = {info.get('sigma2', float('nan')):.6g}")
+        return (
+            f"{self.config.method}: n = {info.get('n')}, {info.get('iterations')} iterations "
+            f"({state}), eta = {info.get('eta', float('nan')):.4g}, "
+            f"sigma^2 = {info.get('sigma2', float('nan')):.6g}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        state = dict(self.progress)
-        state.update({"alpha0": self.alpha0, "sigma2": self.sigma2})
+        state = {
+            k: (None if v is None else float(v) if k != "phase" else v)
+            for k, v in self.progress.items()
+            if k != "own"
+        }
+        state.update({"alpha0": float(self.alpha0), "sigma2": float(self.sigma2)})
         if self.own is not None:
             state["own"] = self.own.state_dict()
         return state
@@ -1106,8 +1282,10 @@ class BlockRegressionActive(ActiveMethod):
 
 def format_coefficients(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> str:
     """A fixed-width table of the coefficients (party, name, estimate, SE, z, p, CI)."""
-    head = f"{'party':<12} {'name':<20} {'estimate':>12} {'se':>11} {'z':>8} {'p':>9} " \
-           f"{'ci_low':>12} {'ci_high':>12}"
+    head = (
+        f"{'party':<12} {'name':<20} {'estimate':>12} {'se':>11} {'z':>8} {'p':>9} "
+        f"{'ci_low':>12} {'ci_high':>12}"
+    )
     lines = [title, head, "-" * len(head)] if title else [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -1118,9 +1296,13 @@ def format_coefficients(rows: Sequence[Mapping[str, Any]], *, title: str = "") -
     return "\n".join(lines)
 
 
-SPEC = register_method(MethodSpec(
-    name="vfem", active=BlockRegressionActive, party=BlockRegressionParty,
-    tasks=("regression",),
-    description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
-    extra_checks=(option_check(VFEM_OPTIONS),),
-))
+SPEC = register_method(
+    MethodSpec(
+        name="vfem",
+        active=BlockRegressionActive,
+        party=BlockRegressionParty,
+        tasks=("regression",),
+        description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
+        extra_checks=(option_check(VFEM_OPTIONS),),
+    )
+)

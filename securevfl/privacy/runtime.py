@@ -347,10 +347,11 @@ class RowReleases:
                  universe: np.ndarray | None) -> None:
         self.privacy = privacy
         self.mechanism = mechanism
-        self.recorded = privacy.steps_spent(mechanism.name)
+        self.base = privacy.steps_spent(mechanism.name)
+        self.recorded = self.base
         self.ids = (np.unique(np.asarray(universe, dtype=np.int64)) if universe is not None
                     else np.empty(0, dtype=np.int64))
-        self.counts = np.full(len(self.ids), self.recorded, dtype=np.int64)
+        self.counts = np.full(len(self.ids), self.base, dtype=np.int64)
         self._anonymous_rows: dict[int, int] = {}
         self._anonymous_steps = 0
 
@@ -374,7 +375,7 @@ class RowReleases:
         else:
             counts = counts.copy()
             np.add.at(counts, self._positions(ids), 1)
-        new_max = int(counts.max(initial=self.recorded)) + anonymous
+        new_max = int(counts.max(initial=self.base)) + anonymous
         if new_max > self.recorded:
             self.privacy.charge(self.mechanism, steps=new_max - self.recorded, epoch=epoch,
                                 note="per-row uses, no amplification")

@@ -75,9 +75,9 @@ class PassiveParty:
 
     def _check_context_tag(self, context: bytes, tags: Mapping[str, str], session: bytes) -> None:
         active = self.cfg.active_name
-        expected = ckks_context_tag(context=context, my_keypair=self.conn.secrets.mask, me=self.name,
-                                    peer=active, peer_public=self.conn.public.mask[active],
-                                    session=session)
+        expected = ckks_context_tag(context=context, my_keypair=self.conn.secrets.mask,
+                                    me=self.name, peer=active,
+                                    peer_public=self.conn.public.mask[active], session=session)
         if not hmac.compare_digest(bytes.fromhex(str(tags.get(self.name, ""))), expected):
             raise P.RunAborted(
                 "the CKKS public context failed authentication: it was not sent by the active "
@@ -159,8 +159,8 @@ class PassiveParty:
                 raise RuntimeError(
                     f"method {self.cfg.method!r} did not produce tensor {spec.tensor!r} for {op!r}"
                 )
-        # embedding DP: once per tensor and call, before masking or encryption; the same noised
-        # tensor then feeds every sum it is part of (post-processing costs nothing)
+        # embedding DP: once per call (the call's tensors clipped jointly per row), before
+        # masking or encryption; a noised tensor then feeds every sum it is part of for free
         contributions = {t: np.asarray(out[t], dtype=np.float64)
                          for t in dict.fromkeys(s.tensor for s in specs)}
         released = self.privacy.release_contributions(contributions, ids=env.tensors["ids"])

@@ -87,8 +87,9 @@ def available_case_moments(z: np.ndarray, observed: np.ndarray) -> tuple[np.ndar
     return mu, d.T @ d / len(zo)
 
 
-def estep_terms(z: np.ndarray, observed: np.ndarray, params: BlockParams
-                ) -> tuple[np.ndarray, np.ndarray]:
+def estep_terms(
+    z: np.ndarray, observed: np.ndarray, params: BlockParams
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-row partial predictor and missing-block variance term of this block.
 
     h_i = x_i' beta on an observed row, mu' beta on a missing one (the mean-imputed predictor);
@@ -101,8 +102,9 @@ def estep_terms(z: np.ndarray, observed: np.ndarray, params: BlockParams
     return h, q
 
 
-def combine_rows(y: np.ndarray, m: np.ndarray, q: np.ndarray, sigma2: float
-                 ) -> tuple[np.ndarray, np.ndarray, float]:
+def combine_rows(
+    y: np.ndarray, m: np.ndarray, q: np.ndarray, sigma2: float
+) -> tuple[np.ndarray, np.ndarray, float]:
     """The active party's per-row step: from the summed predictor m_i and variance terms q_i,
     the pseudo-complete residuals e_i = (y_i - m_i) sigma^2 / tau_i, the weights w_i = 1/tau_i
     and the next sigma^2 = mean(e_i^2 + (tau_i - sigma^2) sigma^2 / tau_i) (notes §3.2 step 10).
@@ -135,8 +137,17 @@ def block_loglik(z: np.ndarray, observed: np.ndarray, params: BlockParams) -> fl
     return float(-0.5 * (len(zo) * (p * LOG_2PI + logdet) + np.sum(sol * sol)))
 
 
-def mstep(z: np.ndarray, observed: np.ndarray, params: BlockParams, *, e: np.ndarray,
-          w: np.ndarray, sigma2: float, eta: float, model_x: bool = True) -> BlockParams:
+def mstep(
+    z: np.ndarray,
+    observed: np.ndarray,
+    params: BlockParams,
+    *,
+    e: np.ndarray,
+    w: np.ndarray,
+    sigma2: float,
+    eta: float,
+    model_x: bool = True,
+) -> BlockParams:
     """One VFEM update of this block (notes §3.2 steps 4, 8, 9), all from theta^(t):
 
     pseudo-complete rows x~_i = x_i (observed) or mu + a r_i / tau_i (missing, r_i/tau_i =

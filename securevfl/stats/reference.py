@@ -39,8 +39,9 @@ class RegressionData:
     intercept: bool = True
 
     @classmethod
-    def from_blocks(cls, y: np.ndarray, blocks: Sequence[np.ndarray], *, intercept: bool = True
-                    ) -> RegressionData:
+    def from_blocks(
+        cls, y: np.ndarray, blocks: Sequence[np.ndarray], *, intercept: bool = True
+    ) -> RegressionData:
         """Blocks with NaN rows for the rows they lack."""
         z, observed = [], []
         for block in blocks:
@@ -204,8 +205,14 @@ def beta_change(a: Theta, b: Theta) -> float:
     )
 
 
-def iterate(step: Callable[[Theta], Theta], theta0: Theta, *, tol_loss: float = 1e-10,
-            tol_beta: float = 1e-8, max_iter: int = 10_000) -> FitResult:
+def iterate(
+    step: Callable[[Theta], Theta],
+    theta0: Theta,
+    *,
+    tol_loss: float = 1e-10,
+    tol_beta: float = 1e-8,
+    max_iter: int = 10_000,
+) -> FitResult:
     """Run `step` with the federated method's stopping rule: stop at theta^(t) when
     |loss_t - loss_(t-1)| < tol_loss and the beta change into theta^(t) is below tol_beta,
     where loss_t is the sigma^2 that step(theta^(t)) produces."""
@@ -263,8 +270,9 @@ def coordinates(theta: Theta, *, intercept: bool, model_x: bool = True) -> np.nd
     return np.concatenate(parts)
 
 
-def from_coordinates(vec: np.ndarray, like: Theta, *, intercept: bool, model_x: bool = True
-                     ) -> Theta:
+def from_coordinates(
+    vec: np.ndarray, like: Theta, *, intercept: bool, model_x: bool = True
+) -> Theta:
     start = 0
     beta0 = like.beta0
     if intercept:
@@ -273,8 +281,9 @@ def from_coordinates(vec: np.ndarray, like: Theta, *, intercept: bool, model_x: 
     blocks = []
     for b in like.blocks:
         size = BlockParams.n_coordinates(b.p, model_x=model_x)
-        blocks.append(b.moved(vec[start : start + size] - b.coordinates(model_x=model_x),
-                              model_x=model_x))
+        blocks.append(
+            b.moved(vec[start : start + size] - b.coordinates(model_x=model_x), model_x=model_x)
+        )
         start += size
     sigma2 = float(vec[start]) if model_x else like.sigma2
     return Theta(blocks, sigma2, beta0)
@@ -290,8 +299,14 @@ def beta_positions(theta: Theta, *, intercept: bool, model_x: bool = True) -> np
     return np.asarray(idx)
 
 
-def jacobian(step: Callable[[Theta], Theta], theta: Theta, *, intercept: bool,
-             model_x: bool = True, h: float = 1e-5) -> np.ndarray:
+def jacobian(
+    step: Callable[[Theta], Theta],
+    theta: Theta,
+    *,
+    intercept: bool,
+    model_x: bool = True,
+    h: float = 1e-5,
+) -> np.ndarray:
     """J[j, i] = d step_j / d theta_i by central differences along each coordinate."""
     x0 = coordinates(theta, intercept=intercept, model_x=model_x)
     d = len(x0)
@@ -307,16 +322,24 @@ def jacobian(step: Callable[[Theta], Theta], theta: Theta, *, intercept: bool,
     return jac
 
 
-def sem_beta_variances(jac: np.ndarray, beta_idx: np.ndarray, *, eta: float, sigma2: float,
-                       n: int) -> np.ndarray:
+def sem_beta_variances(
+    jac: np.ndarray, beta_idx: np.ndarray, *, eta: float, sigma2: float, n: int
+) -> np.ndarray:
     """Var(beta_j) for the VFEM map (notes §5.1, P = blockdiag((n/(eta sigma^2)) I, I_oc)):
     the beta-block of (I - J)^{-1} P^{-1} is (I - J)^{-1}_{beta beta} eta sigma^2 / n."""
     inv = np.linalg.inv(np.eye(len(jac)) - jac)
     return np.diag(inv)[beta_idx] * eta * sigma2 / n
 
 
-def sem_beta_variances_masked(jac: np.ndarray, beta_idx: np.ndarray, *, eta: float,
-                              sigma2: float, n: int, rng: np.random.Generator) -> np.ndarray:
+def sem_beta_variances_masked(
+    jac: np.ndarray,
+    beta_idx: np.ndarray,
+    *,
+    eta: float,
+    sigma2: float,
+    n: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
     """The same variances computed the way the federation does: from U = (I - J) V for random
     directions V, using only U'U (a sum over parties) and each coordinate's own rows of U and V:
     diag((I - J)^{-1})_j = V[j] (U'U)^{-1} U[j]'."""
@@ -352,8 +375,9 @@ def ols(y: np.ndarray, x: np.ndarray, *, intercept: bool = True) -> OlsResult:
 
 def cc_ols(data: RegressionData) -> OlsResult:
     rows = data.complete_rows()
-    return ols(data.y[rows], np.concatenate([z[rows] for z in data.z], axis=1),
-               intercept=data.intercept)
+    return ols(
+        data.y[rows], np.concatenate([z[rows] for z in data.z], axis=1), intercept=data.intercept
+    )
 
 
 def impute_ols(data: RegressionData) -> OlsResult:

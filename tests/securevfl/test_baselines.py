@@ -19,9 +19,9 @@ def run(tmp_path, method, **kwargs):
 @pytest.mark.parametrize("method", ["local", "ensemble", "standard-vfl", "combinatorial",
                                     "plugvfl"])
 def test_every_baseline_learns_the_synthetic_task(tmp_path, method):
-    fed, metrics = run(tmp_path, method, p_train=0.1, epochs=6, n=800)
+    fed, metrics = run(tmp_path, method, p_train=0.1, epochs=4)
     assert metrics["accuracy"] > 0.62, metrics
-    assert len(fed.history) == 6
+    assert len(fed.history) == 4
 
 
 @pytest.mark.parametrize("method", ["local", "ensemble"])

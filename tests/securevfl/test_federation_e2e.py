@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 def demo_runs(tmp_path_factory):
     """The embedded demo, trained once with plain and once with mask (same seed)."""
     out = {}
-    for aggregation in ("plain", "mask"):
+    for aggregation in ("plain", "mask", "ckks"):
         d = tmp_path_factory.mktemp(f"demo-{aggregation}")
         config = prepare_demo(d, aggregation=aggregation)
         done = securevfl_cli("run", str(config), "--out", str(d / "run"))
@@ -38,11 +38,21 @@ def test_demo_mask_meets_the_quality_floor(demo_runs):
     assert "epoch 1/" in done.stdout and "test:" in done.stdout
 
 
-def test_plain_and_mask_give_the_same_metrics(demo_runs):
+@pytest.mark.parametrize("secure", ["mask", "ckks"])
+def test_plain_and_secure_give_the_same_metrics(demo_runs, secure):
     plain = demo_runs["plain"][0]["test"]
-    mask = demo_runs["mask"][0]["test"]
+    other = demo_runs[secure][0]["test"]
     for key in ("accuracy", "f1", "roc_auc"):
-        assert abs(plain[key] - mask[key]) <= 0.005, (key, plain[key], mask[key])
+        assert abs(plain[key] - other[key]) <= 0.005, (key, plain[key], other[key])
+
+
+def test_ckks_bytes_show_the_expansion(demo_runs):
+    plain = demo_runs["plain"][0]["roles"]
+    ckks = demo_runs["ckks"][0]["roles"]
+    # every party encrypts 32x8 values per step into one ~330 kB ciphertext
+    assert ckks["mean"]["bytes_sent"] > 100 * plain["mean"]["bytes_sent"]
+    # and the active party receives only the summed ciphertexts, not each party's
+    assert ckks["active"]["bytes_received"] < 1.5 * ckks["mean"]["bytes_sent"]
 
 
 def test_every_role_is_its_own_process_and_reports_bytes(demo_runs):

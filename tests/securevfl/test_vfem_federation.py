@@ -29,30 +29,45 @@ from securevfl.stats.reference import (
     single_ols,
     vfem_step,
 )
-from tests.securevfl.test_vfem_stats import simulate
+from tests.securevfl.test_vfem_stats import fit_mle, simulate
 
 COLS = [f"X{i + 1}" for i in range(7)]
-THREE_PARTIES = {"a": {"columns": COLS[:3]}, "b": {"columns": COLS[3:5]},
-                 "c": {"columns": COLS[5:]}}
+THREE_PARTIES = {
+    "a": {"columns": COLS[:3]},
+    "b": {"columns": COLS[3:5]},
+    "c": {"columns": COLS[5:]},
+}
 BASE = {
     "run": {"method": "vfem", "aggregation": "mask", "seed": 0, "transport": "inproc"},
     "data": {"path": "data.csv", "task": "regression", "test_fraction": 0.0},
     "parties": THREE_PARTIES,
     "secure": {"frac_bits": 40, "bound": 2.0**18},
-    "network": {"heartbeat_interval": 0.2, "peer_timeout": 5.0, "round_timeout": 30.0,
-                "startup_timeout": 30.0},
+    "network": {
+        "heartbeat_interval": 0.2,
+        "peer_timeout": 3.0,
+        "round_timeout": 30.0,
+        "startup_timeout": 30.0,
+    },
     "method": {"tol_loss": 1e-13, "tol_beta": 1e-10},
 }
 TIGHT = {"tol_loss": 1e-14, "tol_beta": 1e-11, "max_iter": 50_000}
 
 
-def run(directory: Path, y: np.ndarray, blocks: list[np.ndarray], *, name: str,
-        **changes) -> tuple[int, dict | None, str, Path]:
+def run(
+    directory: Path, y: np.ndarray, blocks: list[np.ndarray], *, name: str, **changes
+) -> tuple[int, dict | None, str, Path]:
     """Write the table, run a federation with BASE updated by `changes` ({"run.method": ...}),
     return (exit status, metrics, stdout, run directory)."""
     directory.mkdir(parents=True, exist_ok=True)
-    write_csv(directory / "data.csv", id_column="ID", ids=np.arange(1, len(y) + 1), columns=COLS,
-              values=np.concatenate(blocks, axis=1), label="Y", labels=y)
+    write_csv(
+        directory / "data.csv",
+        id_column="ID",
+        ids=np.arange(1, len(y) + 1),
+        columns=COLS,
+        values=np.concatenate(blocks, axis=1),
+        label="Y",
+        labels=y,
+    )
     raw = copy.deepcopy(BASE)
     for dotted, value in changes.items():
         section, _, key = dotted.partition(".")
@@ -78,8 +93,13 @@ def reference_vfem(data: RegressionData) -> tuple[np.ndarray, np.ndarray, float]
     assert em.converged
     eta = default_eta(theta0, intercept=data.intercept)
     jac = jacobian(lambda th: vfem_step(data, th, eta=eta), em.theta, intercept=data.intercept)
-    var = sem_beta_variances(jac, beta_positions(em.theta, intercept=data.intercept), eta=eta,
-                             sigma2=em.theta.sigma2, n=data.n)
+    var = sem_beta_variances(
+        jac,
+        beta_positions(em.theta, intercept=data.intercept),
+        eta=eta,
+        sigma2=em.theta.sigma2,
+        n=data.n,
+    )
     beta = em.theta.beta if data.intercept else em.theta.beta[1:]
     return beta, np.sqrt(var), em.theta.sigma2
 
@@ -89,15 +109,24 @@ def three_party(tmp_path_factory):
     """n = 800, three passive parties missing 20%, 40%, 60% of rows; vfem with mask and plain."""
     d = tmp_path_factory.mktemp("vfem3")
     y, blocks = simulate(800, (0.2, 0.4, 0.6), seed=11)
-    runs = {agg: run(d, y, blocks, name=f"run-{agg}", **{"run.aggregation": agg})
-            for agg in ("mask", "plain")}
-    return {"y": y, "blocks": blocks, "runs": runs, "dir": d,
-            "data": RegressionData.from_blocks(y, blocks)}
+    runs = {
+        agg: run(d, y, blocks, name=f"run-{agg}", **{"run.aggregation": agg})
+        for agg in ("mask", "plain")
+    }
+    return {
+        "y": y,
+        "blocks": blocks,
+        "runs": runs,
+        "dir": d,
+        "data": RegressionData.from_blocks(y, blocks),
+    }
 
 
 def test_vfem_mask_equals_plain_and_centralised_em(three_party):
-    (code_m, m_mask, _, _), (code_p, m_plain, _, _) = (three_party["runs"]["mask"],
-                                                       three_party["runs"]["plain"])
+    (code_m, m_mask, _, _), (code_p, m_plain, _, _) = (
+        three_party["runs"]["mask"],
+        three_party["runs"]["plain"],
+    )
     assert code_m == 0 and code_p == 0
     est_mask, se_mask = estimates(m_mask)
     est_plain, se_plain = estimates(m_plain)
@@ -112,11 +141,24 @@ def test_vfem_mask_equals_plain_and_centralised_em(three_party):
     assert math.isclose(fit["sigma2"], sigma2, rel_tol=1e-6)
 
 
+def test_federation_matches_the_likelihood_oracle(three_party):
+    """Acceptance: estimates = the maximiser of the closed-form likelihood (1e-5), standard
+    errors = its observed-information standard errors (1%)."""
+    data = three_party["data"]
+    mle = fit_mle(data, beta_start=cc_ols(data).coef)
+    assert mle["grad_norm"] < 1e-8
+    for agg in ("mask", "plain"):
+        est, se = estimates(three_party["runs"][agg][1])
+        assert np.max(np.abs(est - mle["beta"])) < 1e-5
+        assert np.max(np.abs(se / mle["se"] - 1)) < 0.01
+
+
 def test_coefficients_reach_metrics_csv_and_the_printed_table(three_party):
     code, metrics, stdout, run_dir = three_party["runs"]["mask"]
     rows = metrics["coefficients"]
     assert [(r["party"], r["name"]) for r in rows] == [("active", "(intercept)")] + [
-        (p, c) for p, spec in THREE_PARTIES.items() for c in spec["columns"]]
+        (p, c) for p, spec in THREE_PARTIES.items() for c in spec["columns"]
+    ]
     for r in rows:
         assert set(r) == {"party", "name", "estimate", "se", "z", "p", "ci_low", "ci_high"}
         assert math.isclose(r["z"], r["estimate"] / r["se"])
@@ -130,11 +172,15 @@ def test_coefficients_reach_metrics_csv_and_the_printed_table(three_party):
     assert metrics["n_test"] == 0 and metrics["test"] == {}
 
 
-@pytest.mark.parametrize(("method", "reference"), [("cc-ols", cc_ols),
-                                                   ("impute-ols", impute_ols)])
+@pytest.mark.parametrize(("method", "reference"), [("cc-ols", cc_ols), ("impute-ols", impute_ols)])
 def test_comparators_equal_closed_form_ols(three_party, method, reference):
-    code, metrics, _, _ = run(three_party["dir"], three_party["y"], three_party["blocks"],
-                              name=f"run-{method}", **{"run.method": method})
+    code, metrics, _, _ = run(
+        three_party["dir"],
+        three_party["y"],
+        three_party["blocks"],
+        name=f"run-{method}",
+        **{"run.method": method},
+    )
     assert code == 0
     est, se = estimates(metrics)
     ref = reference(three_party["data"])
@@ -147,7 +193,12 @@ def test_active_block_holdout_and_single_party_fit(tmp_path):
     """The active party holds the first block (missing 20%) besides y; 25% of rows held out."""
     y, blocks = simulate(900, (0.2, 0.3, 0.5), seed=4)
     parties = {"b": {"columns": COLS[3:5]}, "c": {"columns": COLS[5:]}}
-    changes = {"parties": parties, "active": {"columns": COLS[:3]}, "data.test_fraction": 0.25}
+    changes = {
+        "parties": parties,
+        "active": {"columns": COLS[:3]},
+        "data.test_fraction": 0.25,
+        "method.init": "cc",
+    }
     code, metrics, _, _ = run(tmp_path, y, blocks, name="vfem", **changes)
     assert code == 0
     ids = np.arange(1, len(y) + 1)
@@ -162,8 +213,14 @@ def test_active_block_holdout_and_single_party_fit(tmp_path):
     assert np.max(np.abs(se / se_ref - 1)) < 1e-4
     assert metrics["coefficients"][1]["party"] == "active"
     assert set(metrics["test"]) == {"rmse", "r2"} and metrics["test"]["r2"] > 0.5
-    code, metrics, _, _ = run(tmp_path, y, blocks, name="single", **changes,
-                              **{"run.method": "single-ols"})
+    code, metrics, _, _ = run(
+        tmp_path,
+        y,
+        blocks,
+        name="single",
+        **{k: v for k, v in changes.items() if k != "method.init"},
+        **{"run.method": "single-ols"},
+    )
     assert code == 0
     ref = single_ols(data, 0)
     est, se = estimates(metrics)
@@ -173,24 +230,40 @@ def test_active_block_holdout_and_single_party_fit(tmp_path):
 def test_missingness_generator_without_intercept(tmp_path):
     """[missing] train = mcar: the blocks each party lacks come from the generator."""
     y, blocks = simulate(500, (0.0, 0.0, 0.0), seed=8, intercept=0.0)
-    code, metrics, _, run_dir = run(tmp_path, y, blocks, name="gen",
-                                    **{"missing": {"train": {"kind": "mcar", "p": 0.3}},
-                                       "method.intercept": False, "method.init": "impute"})
+    code, metrics, _, run_dir = run(
+        tmp_path,
+        y,
+        blocks,
+        name="gen",
+        **{
+            "missing": {"train": {"kind": "mcar", "p": 0.3}},
+            "method.intercept": False,
+            "method.init": "zero",
+        },
+    )
     assert code == 0
     held = []
     for party, spec in THREE_PARTIES.items():
-        ids, _, _ = read_csv_columns(run_dir / "data" / f"{party}.csv", id_column="ID",
-                                     columns=spec["columns"])
+        ids, _, _ = read_csv_columns(
+            run_dir / "data" / f"{party}.csv", id_column="ID", columns=spec["columns"]
+        )
         held.append(np.isin(np.arange(1, 501), ids))
     held = np.stack(held, axis=1)
     assert 0.2 < 1 - held.mean() < 0.4
     rows = held.any(axis=1)
     masked = [np.where(held[:, [k]], b, np.nan)[rows] for k, b in enumerate(blocks)]
-    beta, se_ref, _ = reference_vfem(RegressionData.from_blocks(y[rows], masked,
-                                                                intercept=False))
+    beta, se_ref, _ = reference_vfem(RegressionData.from_blocks(y[rows], masked, intercept=False))
     est, se = estimates(metrics)
     assert "(intercept)" not in [r["name"] for r in metrics["coefficients"]]
     assert np.max(np.abs(est - beta)) < 1e-6 and np.max(np.abs(se / se_ref - 1)) < 1e-4
+
+
+def test_without_standard_errors_the_json_says_null(tmp_path):
+    y, blocks = simulate(300, (0.2, 0.4, 0.6), seed=9)
+    code, metrics, stdout, _ = run(tmp_path, y, blocks, name="nose", **{"method.se": "none"})
+    assert code == 0 and metrics["fit"]["se"] == "none"
+    assert all(r["se"] is None and r["p"] is None for r in metrics["coefficients"])
+    assert all(math.isfinite(r["estimate"]) for r in metrics["coefficients"])
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -208,12 +281,15 @@ def _broken(kind: str, y: np.ndarray, blocks: list[np.ndarray]) -> list[np.ndarr
     return blocks
 
 
-@pytest.mark.parametrize(("kind", "changes", "words"), [
-    ("constant", {}, ["party 'b'", "'X5'", "constant"]),
-    ("collinear", {}, ["party 'c'", "'X6', 'X7'", "collinear"]),
-    ("no-rows", {}, ["party 'c'", "holds none of the", "'X6', 'X7'"]),
-    ("diverge", {"method.eta": 40.0}, ["diverges", "eta = 40", "[method] eta"]),
-])
+@pytest.mark.parametrize(
+    ("kind", "changes", "words"),
+    [
+        ("constant", {}, ["party 'b'", "'X5'", "constant"]),
+        ("collinear", {}, ["party 'c'", "'X6', 'X7'", "collinear"]),
+        ("no-rows", {}, ["party 'c'", "holds none of the", "'X6', 'X7'"]),
+        ("diverge", {"method.eta": 40.0}, ["diverges", "eta = 40", "[method] eta"]),
+    ],
+)
 def test_bad_input_stops_with_a_message_naming_the_cause(tmp_path, kind, changes, words):
     y, blocks = simulate(300, (0.2, 0.4, 0.6), seed=2)
     code, metrics, _, run_dir = run(tmp_path, y, _broken(kind, y, blocks), name=kind, **changes)
@@ -233,21 +309,31 @@ def test_a_missing_response_is_refused_naming_the_label(tmp_path):
 def test_block_with_empty_cells_in_held_rows_names_the_column():
     values = np.array([[1.0, 2.0], [np.nan, 1.0], [np.nan, np.nan], [2.0, 0.5], [0.3, 4.0]])
     with pytest.raises(VfemInputError, match="party 'z': column 'u' has empty cells"):
-        BlockState(owner="party 'z'", columns=("u", "v"), values=values, intercept=True,
-                   standardize=True)
+        BlockState(
+            owner="party 'z'", columns=("u", "v"), values=values, intercept=True, standardize=True
+        )
 
 
-@pytest.mark.parametrize(("changes", "key", "words"), [
-    ({"secure": {"frac_bits": 20}}, "[secure] frac_bits", "frac_bits = 40"),
-    ({"method": {"init": "mean"}}, "[method] init", "cc, impute, zero"),
-    ({"method": {"stepsize": 1}}, "[method] stepsize", "unknown option"),
-    ({"method": {"eta": -1}}, "[method] eta", "must be a number"),
-    ({"run": {"method": "single-ols", "aggregation": "mask"}, "method": {"party": "b"}},
-     "[method] party", "min_group = 1"),
-    ({"run": {"method": "single-ols", "aggregation": "mask"}}, "[method] party",
-     "holds no columns"),
-    ({"data": {"task": "binary"}}, "[data] task", "supports tasks regression"),
-])
+@pytest.mark.parametrize(
+    ("changes", "key", "words"),
+    [
+        ({"secure": {"frac_bits": 20}}, "[secure] frac_bits", "frac_bits = 40"),
+        ({"method": {"init": "mean"}}, "[method] init", "cc, impute, zero"),
+        ({"method": {"stepsize": 1}}, "[method] stepsize", "unknown option"),
+        ({"method": {"eta": -1}}, "[method] eta", "must be a number"),
+        (
+            {"run": {"method": "single-ols", "aggregation": "mask"}, "method": {"party": "b"}},
+            "[method] party",
+            "min_group = 1",
+        ),
+        (
+            {"run": {"method": "single-ols", "aggregation": "mask"}},
+            "[method] party",
+            "holds no columns",
+        ),
+        ({"data": {"task": "binary"}}, "[data] task", "supports tasks regression"),
+    ],
+)
 def test_config_checks_name_the_key(changes, key, words):
     raw = copy.deepcopy(BASE)
     raw["data"]["path"] = "data.csv"
@@ -257,3 +343,35 @@ def test_config_checks_name_the_key(changes, key, words):
         parse_config(raw, source=Path("/tmp/x/config.toml"))
     assert info.value.key == key
     assert words in str(info.value)
+
+
+def test_resume_after_a_crash_gives_the_same_estimates(tmp_path, monkeypatch):
+    from securevfl.methods import vfem
+
+    y, blocks = simulate(400, (0.2, 0.4, 0.6), seed=6)
+    every = {"method.checkpoint_every": 20}
+    code, reference, _, _ = run(tmp_path, y, blocks, name="whole", **every)
+    assert code == 0
+    update = vfem.BlockState.mstep
+    calls = {"n": 0}
+
+    def crash_at_iteration_70(self, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3 * 70:  # three parties
+            raise RuntimeError("simulated crash")
+        return update(self, **kwargs)
+
+    monkeypatch.setattr(vfem.BlockState, "mstep", crash_at_iteration_70)
+    code, _, _, run_dir = run(tmp_path, y, blocks, name="crashed", **every)
+    assert code != 0
+    monkeypatch.setattr(vfem.BlockState, "mstep", update)
+    raw = copy.deepcopy(BASE)
+    raw["method"]["checkpoint_every"] = 20
+    cfg = parse_config(raw, source=tmp_path / "config.toml")
+    code, resumed = run_federation(cfg, out=run_dir, resume=True, stdout=io.StringIO())
+    assert code == 0
+    assert resumed["fit"]["iterations"] == reference["fit"]["iterations"]
+    est, se = estimates(resumed)
+    est_ref, se_ref = estimates(reference)
+    assert np.max(np.abs(est - est_ref)) < 1e-9
+    assert np.max(np.abs(se / se_ref - 1)) < 1e-5

@@ -1,7 +1,10 @@
-"""VFEM statistics (pure NumPy reference), and the test kit shared with the federation tests: simulated block data, and an oracle: the closed-form observed-data
-log-likelihood (notes §1.4) in torch, maximised by a generic optimiser (scipy's trust-region
-Newton with the exact Hessian), and its observed-information standard errors (inverse negative
-Hessian). The oracle shares no code with the EM it checks."""
+"""VFEM's statistics on the centralised NumPy reference: VFEM = exact EM = the maximiser of the
+closed-form likelihood, and SEM standard errors = observed-information standard errors.
+
+Also the kit shared with `test_vfem_federation.py`: simulated block data, and the oracle: the
+closed-form observed-data log-likelihood (notes §1.4) in torch, maximised by a generic optimiser
+(scipy's trust-region Newton with the exact Hessian), with observed-information standard errors
+(inverse negative Hessian). The oracle shares no code with the EM it checks."""
 
 from __future__ import annotations
 
@@ -10,7 +13,21 @@ import pytest
 import scipy.optimize
 import torch
 
-from securevfl.stats.reference import RegressionData
+from securevfl.stats.gaussian_blocks import BlockParams, unvech, vech
+from securevfl.stats.reference import (
+    RegressionData,
+    beta_positions,
+    cc_ols,
+    default_eta,
+    fit_em,
+    fit_vfem,
+    initial_theta,
+    jacobian,
+    observed_loglik,
+    sem_beta_variances,
+    sem_beta_variances_masked,
+    vfem_step,
+)
 
 LOG_2PI = float(np.log(2 * np.pi))
 DIMS = (3, 2, 2)
@@ -21,13 +38,23 @@ def ar1(p: int, rho: float = 0.5) -> np.ndarray:
     return rho ** np.abs(np.subtract.outer(np.arange(p), np.arange(p)))
 
 
-def simulate(n: int, rates=(0.2, 0.4, 0.6), *, seed: int = 0, intercept: float = 0.5,
-             dims=DIMS, beta=BETA, means=None) -> tuple[np.ndarray, list[np.ndarray]]:
+def simulate(
+    n: int,
+    rates=(0.2, 0.4, 0.6),
+    *,
+    seed: int = 0,
+    intercept: float = 0.5,
+    dims=DIMS,
+    beta=BETA,
+    means=None,
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """y and K blocks (NaN rows where missing, MCAR with `rates`); no row is missing at every
     block (the federation drops such rows, so tests compare on the same rows)."""
     rng = np.random.default_rng(seed)
-    blocks = [rng.multivariate_normal(np.zeros(p) if means is None else means[k], ar1(p),
-                                      size=n) for k, p in enumerate(dims)]
+    blocks = [
+        rng.multivariate_normal(np.zeros(p) if means is None else means[k], ar1(p), size=n)
+        for k, p in enumerate(dims)
+    ]
     y = intercept + np.concatenate(blocks, axis=1) @ beta + rng.normal(size=n)
     present = np.stack([rng.random(n) >= r for r in rates], axis=1)
     nobody = ~present.any(axis=1)
@@ -53,36 +80,39 @@ def _loglik(data: RegressionData, beta0, betas, mus, sigmas, sigma2) -> torch.Te
         sx = zo.sum(0)
         scatter = zo.T @ zo - torch.outer(mu, sx) - torch.outer(sx, mu) + n_o * torch.outer(mu, mu)
         logdet = torch.logdet(sig)
-        total = total - 0.5 * (n_o * (p * LOG_2PI + logdet)
-                               + torch.trace(torch.linalg.solve(sig, scatter)))
+        total = total - 0.5 * (
+            n_o * (p * LOG_2PI + logdet) + torch.trace(torch.linalg.solve(sig, scatter))
+        )
     tau = sigma2 + q
     r = y - m
     return total - 0.5 * torch.sum(LOG_2PI + torch.log(tau) + r * r / tau)
 
 
 def _unpack_natural(vec: torch.Tensor, dims: list[int], intercept: bool):
-    i = 0
     beta0 = vec[0] if intercept else torch.zeros((), dtype=torch.float64)
     i = 1 if intercept else 0
     betas, mus, sigmas = [], [], []
     for p in dims:
-        betas.append(vec[i : i + p]); i += p
+        betas.append(vec[i : i + p])
+        i += p
     for p in dims:
-        mus.append(vec[i : i + p]); i += p
+        mus.append(vec[i : i + p])
+        i += p
     for p in dims:
         rows, cols = np.tril_indices(p)
         k = len(rows)
         s = torch.zeros((p, p), dtype=torch.float64)
         s = s.index_put((torch.as_tensor(rows), torch.as_tensor(cols)), vec[i : i + k])
         s = s + s.T - torch.diag(torch.diag(s))
-        sigmas.append(s); i += k
+        sigmas.append(s)
+        i += k
     return beta0, betas, mus, sigmas, vec[i]
 
 
 def _unpack_chol(vec: torch.Tensor, dims: list[int], intercept: bool):
     beta0, betas, mus, lows, logs2 = _unpack_natural(vec, dims, intercept)
     sigmas = []
-    for low, p in zip(lows, dims, strict=True):
+    for low in lows:
         lo = torch.tril(low)
         lo = lo - torch.diag(torch.diag(lo)) + torch.diag(torch.exp(torch.diag(lo)))
         sigmas.append(lo @ lo.T)
@@ -123,45 +153,39 @@ def fit_mle(data: RegressionData, *, beta_start: np.ndarray) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        res = scipy.optimize.minimize(f, x0, jac=True, hess=hess, method="trust-exact",
-                                      options={"gtol": 1e-9, "maxiter": 500})
+        res = scipy.optimize.minimize(
+            f, x0, jac=True, hess=hess, method="trust-exact", options={"gtol": 1e-9, "maxiter": 500}
+        )
     finally:
         torch.set_num_threads(threads)
     beta0, betas, mus, sigmas, sigma2 = _unpack_chol(torch.tensor(res.x), dims, data.intercept)
-    natural = ([beta0.reshape(1)] if data.intercept else []) + betas + mus + [
-        s[tuple(torch.as_tensor(np.array(np.tril_indices(s.shape[0]))))] for s in sigmas
-    ] + [sigma2.reshape(1)]
+    natural = (
+        ([beta0.reshape(1)] if data.intercept else [])
+        + betas
+        + mus
+        + [s[tuple(torch.as_tensor(np.array(np.tril_indices(s.shape[0]))))] for s in sigmas]
+        + [sigma2.reshape(1)]
+    )
     nat = torch.cat(natural).detach()
     hess = torch.autograd.functional.hessian(
-        lambda v: _loglik(data, *_unpack_natural(v, dims, data.intercept)), nat)
+        lambda v: _loglik(data, *_unpack_natural(v, dims, data.intercept)), nat
+    )
     cov = np.linalg.inv(-hess.numpy())
     p_beta = (1 if data.intercept else 0) + sum(dims)
     beta = nat.numpy()[:p_beta]
     if not data.intercept:
         beta = np.concatenate([[0.0], beta])
     se = np.sqrt(np.diag(cov)[:p_beta])
-    return {"beta": beta, "se": se, "loglik": -res.fun * data.n,
-            "grad_norm": float(np.max(np.abs(res.jac))), "message": res.message}
+    return {
+        "beta": beta,
+        "se": se,
+        "loglik": -res.fun * data.n,
+        "grad_norm": float(np.max(np.abs(res.jac))),
+        "message": res.message,
+    }
 
 
 # ------------------------------------------------------------------------------------ tests
-# (the helpers above are also imported by test_vfem_federation.py)
-
-from securevfl.stats.gaussian_blocks import BlockParams, unvech, vech  # noqa: E402
-from securevfl.stats.reference import (  # noqa: E402
-    beta_positions,
-    cc_ols,
-    default_eta,
-    fit_em,
-    fit_vfem,
-    initial_theta,
-    jacobian,
-    observed_loglik,
-    sem_beta_variances,
-    sem_beta_variances_masked,
-    vfem_step,
-)
-
 TIGHT = {"tol_loss": 1e-14, "tol_beta": 1e-11, "max_iter": 50_000}
 
 
@@ -181,8 +205,14 @@ def fitted():
     y, blocks = simulate(1200, (0.2, 0.4, 0.6), seed=3)
     data = RegressionData.from_blocks(y, blocks)
     cc, eta, vf, em = _fit_both(data)
-    return {"data": data, "cc": cc, "eta": eta, "vf": vf, "em": em,
-            "mle": fit_mle(data, beta_start=cc.coef)}
+    return {
+        "data": data,
+        "cc": cc,
+        "eta": eta,
+        "vf": vf,
+        "em": em,
+        "mle": fit_mle(data, beta_start=cc.coef),
+    }
 
 
 def test_vfem_equals_em_and_the_likelihood_maximiser(fitted):
@@ -196,11 +226,17 @@ def test_vfem_equals_em_and_the_likelihood_maximiser(fitted):
     assert np.max(np.abs(cc.coef - mle["beta"])) > 1e-2
 
 
-@pytest.mark.parametrize(("rates", "intercept"), [((0.0, 0.3, 0.6), True),
-                                                  ((0.5, 0.2, 0.6), False)])
+@pytest.mark.parametrize(
+    ("rates", "intercept"), [((0.0, 0.3, 0.6), True), ((0.5, 0.2, 0.6), False)]
+)
 def test_vfem_equals_em_in_other_designs(rates, intercept):
-    y, blocks = simulate(600, rates, seed=5, intercept=0.0 if not intercept else 1.0,
-                         means=[np.full(p, 0.5) for p in DIMS])
+    y, blocks = simulate(
+        600,
+        rates,
+        seed=5,
+        intercept=0.0 if not intercept else 1.0,
+        means=[np.full(p, 0.5) for p in DIMS],
+    )
     data = RegressionData.from_blocks(y, blocks, intercept=intercept)
     _, _, vf, em = _fit_both(data)
     assert np.max(np.abs(vf.theta.beta - em.theta.beta)) < 1e-6
@@ -216,8 +252,9 @@ def test_sem_standard_errors_match_observed_information(fitted):
     # and much closer than that: SEM on the map actually iterated is exact up to differencing
     assert np.max(np.abs(se / mle["se"] - 1)) < 1e-5
     # the federation's formula (random directions, U'U only) gives the same numbers
-    masked = sem_beta_variances_masked(jac, idx, eta=eta, sigma2=vf.theta.sigma2, n=data.n,
-                                       rng=np.random.default_rng(1))
+    masked = sem_beta_variances_masked(
+        jac, idx, eta=eta, sigma2=vf.theta.sigma2, n=data.n, rng=np.random.default_rng(1)
+    )
     assert np.allclose(np.sqrt(masked), se, rtol=1e-9)
 
 
