@@ -972,7 +972,6 @@ class BlockRegressionActive(ActiveMethod):
                 self._commit(
                     ctx, {"iteration": t, "sigma2": loss * self.y_scale**2, "beta_change": change}
                 )
-        self.last_terms = terms
         self.last_e = e
         self.fit_info = {
             "design": d.kind,
