@@ -200,9 +200,10 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         raw, "privacy", {"label_dp", "delta", "accountant", "record_received", "max_epsilon"}
     )
 
-    from securevfl.methods import method_names  # the registry (lazy: methods import torch)
+    from securevfl.methods import method_names, method_spec  # the registry (lazy: torch)
 
     method = r.choice("method", "splitnn", method_names())
+    secure_defaults = dict(method_spec(method).secure_defaults)
     aggregation = r.choice("aggregation", "mask", AGGREGATIONS)
     cfg = RunConfig(
         method=method,
@@ -228,8 +229,10 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         hidden=tuple(m.int_list("hidden", [64], minimum=1)),
         width=m.integer("width", 16, minimum=1),
         head_hidden=tuple(m.int_list("head_hidden", [], minimum=1)),
-        frac_bits=s.integer("frac_bits", 20, minimum=1, maximum=52),
-        bound=s.number("bound", 2.0**20, minimum=0.0, exclusive_minimum=True),
+        frac_bits=s.integer("frac_bits", int(secure_defaults.get("frac_bits", 20)), minimum=1,
+                            maximum=52),
+        bound=s.number("bound", float(secure_defaults.get("bound", 2.0**20)), minimum=0.0,
+                       exclusive_minimum=True),
         ckks=_ckks(s.table("ckks", {})),
         aggregator_address=n.string("aggregator", "tcp://127.0.0.1:5555"),
         bind_address=n.string("bind", None),

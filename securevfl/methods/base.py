@@ -159,6 +159,13 @@ class ActiveMethod(ABC):
         """Write extra outputs (tables, CSV files) after evaluation. Optional."""
         del run_dir, out
 
+    # how progress lines count (EM iterates to convergence: "iteration 12", no total)
+    progress_unit: str = "epoch"
+
+    @property
+    def progress_total(self) -> int | None:
+        return self.config.epochs
+
     # A method that can go on without a party that died sets this; others stop cleanly with a
     # resumable checkpoint when a party is lost.
     tolerates_dropout: bool = False
@@ -190,6 +197,9 @@ class MethodSpec:
     runs_on_sums: bool = True
     description: str = ""
     extra_checks: tuple[Any, ...] = field(default=())
+    # defaults for [secure] keys the config leaves out (e.g. more fractional bits for a method
+    # that iterates to a fixed point)
+    secure_defaults: tuple[tuple[str, float], ...] = ()
 
     def validate_config(self, cfg: RunConfig) -> None:
         from securevfl.config import ConfigError

@@ -41,6 +41,7 @@ from securevfl.methods.laser import (
     Prediction,
     _opt_number,
     block_names,
+    differencing_matters,
     option_checks,
     subset_code,
 )
@@ -328,6 +329,13 @@ class PlugVFLActive(BlockActive):
 
 def _check_plug(cfg: RunConfig) -> None:
     _opt_number(cfg, "p_drop", 0.0, 1.0, hi_open=True)
+    if cfg.option("p_drop", 0.0) and differencing_matters(cfg):
+        raise ConfigError(
+            "[method] p_drop",
+            "party-wise dropout sums the same rows over different groups of parties in different "
+            "epochs, whose difference approximates one party's contribution; "
+            f"{cfg.aggregation!r} with min_group = {cfg.min_group} must not allow that. Use "
+            "p_drop = 0 in secure modes")
     anchor = cfg.option("anchor")
     if anchor is not None and anchor not in block_names(cfg):
         raise ConfigError("[method] anchor",

@@ -98,6 +98,24 @@ def exact_tasks(present: Sequence[str]) -> list[Task]:
     return tasks
 
 
+def draw_family(passive: Sequence[str], min_group: int, rng: np.random.Generator
+                ) -> tuple[tuple[str, ...], ...]:
+    """A random laminar family of subsets of `passive` (in its order) whose members all have at
+    least `min_group` parties: the whole set, and (with probability 1 - 1/g_max) a random
+    partition of it into g groups of near-equal size, g uniform in 2..g_max = len // min_group.
+    Every 0/1 combination of the members' sums is a union of groups, so no linear combination of
+    them is a sum over fewer than `min_group` parties. Empty if len(passive) < min_group."""
+    n = len(passive)
+    if n < min_group:
+        return ()
+    groups = int(rng.integers(1, n // min_group + 1))
+    members = {tuple(passive)}
+    if groups > 1:
+        for chunk in np.array_split(rng.permutation(n), groups):
+            members.add(tuple(passive[i] for i in sorted(chunk)))
+    return tuple(sorted(members, key=lambda m: (-len(m), [passive.index(b) for b in m])))
+
+
 def laser_objective(sums: Mapping[tuple[str, ...], torch.Tensor], tasks: Iterable[Task],
                     heads: Mapping[str, nn.Module], y: torch.Tensor, task: str) -> torch.Tensor:
     """``sum_t weight_t * loss(g_head(S_subset / |subset|), y)`` with `sums` the representation
@@ -160,10 +178,23 @@ def option_checks(method: str, *, extra_keys: Sequence[str] = (),
                 for r in rates):
             raise ConfigError("[method] eval_test_missing",
                               f"must be a list of missing rates in [0, 1), got {rates!r}")
+        if rates and differencing_matters(cfg):
+            raise ConfigError(
+                "[method] eval_test_missing",
+                f"re-evaluating the test rows with other missing blocks sums the same rows over "
+                f"different groups of parties, and the difference of two such sums is a sum over "
+                f"fewer parties (one party's representation); {cfg.aggregation!r} with "
+                f"min_group = {cfg.min_group} must not allow that. Use it with "
+                "aggregation = \"plain\" (benchmarks), or set [missing] test instead")
         if check is not None:
             check(cfg)
 
     return run_checks
+
+
+def differencing_matters(cfg: RunConfig) -> bool:
+    """Whether sums must not difference to fewer than `min_group` parties (secure modes)."""
+    return cfg.aggregation != "plain" and cfg.min_group > 1
 
 
 def lr_at(cfg: RunConfig, epoch: int) -> float:
@@ -228,13 +259,14 @@ def pattern_codes(present: np.ndarray) -> np.ndarray:
 
 
 def pattern_batches(ids: np.ndarray, present: np.ndarray, *, batch_size: int, seed: int,
-                    epoch: int, labels: np.ndarray | None = None
-                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+                    epoch: int, labels: np.ndarray | None = None,
+                    keys: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """The epoch's batches as (ids, present-blocks row): every row of a batch has the same present
-    blocks. Rows are shuffled, bucketed by pattern, cut into batches, and the batch order is
-    shuffled; all reproducible from (seed, epoch). With `labels`, the epoch is a class-balanced
-    draw of len(ids) rows with replacement (torch's WeightedRandomSampler, as the paper's Credit
-    runs) before bucketing. Rows with no present block are left out."""
+    blocks (and the same `keys` value, if given). Rows are shuffled, bucketed by pattern, cut into
+    batches, and the batch order is shuffled; all reproducible from (seed, epoch). With `labels`,
+    the epoch is a class-balanced draw of len(ids) rows with replacement (torch's
+    WeightedRandomSampler, as the paper's Credit runs) before bucketing. Rows with no present
+    block are left out."""
     rng = np.random.default_rng([seed, epoch, 0x1A5E])
     n = len(ids)
     if labels is not None and n:
@@ -244,6 +276,9 @@ def pattern_batches(ids: np.ndarray, present: np.ndarray, *, batch_size: int, se
     else:
         order = rng.permutation(n)
     codes = pattern_codes(present)[order]
+    if keys is not None:  # bucket by (pattern, key): pattern in the low bits
+        shifted = (np.asarray(keys)[order].astype(np.int64) + 1) << present.shape[1]
+        codes = np.where(codes == 0, 0, codes + shifted)
     cut: list[np.ndarray] = []
     for code in np.unique(codes):
         if code == 0:
@@ -408,6 +443,10 @@ class BlockActive(ActiveMethod):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return True
 
+    def batch_keys(self, ids: np.ndarray, present: np.ndarray) -> np.ndarray | None:
+        """Rows with different keys never share a batch (besides differing patterns)."""
+        return None
+
     def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
                    epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
         """One update on a batch whose rows all have blocks `present`; returns (loss or None if
@@ -564,9 +603,10 @@ class BlockActive(ActiveMethod):
             rng = np.random.default_rng([cfg.seed, epoch, 0x7A5C])
             stats = {"loss": 0.0, "rows": 0, "steps": 0, "skipped_tasks": 0,
                      "skipped_batches": 0}
-            batches = pattern_batches(train_ids, self.presence_matrix(ctx, train_ids),
-                                      batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch,
-                                      labels=labels)
+            pres = self.presence_matrix(ctx, train_ids)
+            batches = pattern_batches(train_ids, pres, batch_size=cfg.batch_size, seed=cfg.seed,
+                                      epoch=epoch, labels=labels,
+                                      keys=self.batch_keys(train_ids, pres))
             for ids, pattern in batches:
                 self.train_batch(ctx, ids, pattern, epoch=epoch, rng=rng, stats=stats)
             self.skipped_tasks_total += stats["skipped_tasks"]
@@ -746,7 +786,16 @@ class BlockActive(ActiveMethod):
 
 class LaserActive(BlockActive):
     """The heads g_k of every block, the task sampling and the loss (Algorithm 1), and
-    prediction for any subset of present blocks (Algorithm 2)."""
+    prediction for any subset of present blocks (Algorithm 2).
+
+    Secure modes (`mask`, `ckks` with min_group >= 2) cannot use the paper's task sampling as
+    is: sums over different subsets of the same rows difference to a party's representation
+    (S_{1234} - S_{123} = f_4), within a step or, approximately, across epochs. So each training
+    row gets, once, a fixed random family of subsets (`draw_family`) whose every member has at
+    least `min_group` passive parties and whose differences are unions of members; the row is
+    only ever summed over those members, and each present head trains on the members containing
+    it (weight 1/|I|). The loss terms of the paper's objective that the family leaves out are
+    counted as `skipped_tasks` in the epoch stats."""
 
     method_name = "laser"
     tolerates_dropout = True
@@ -754,20 +803,58 @@ class LaserActive(BlockActive):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.exact = bool(self.config.option("exact_objective", False))
+        self.use_families = self.secure and self.config.min_group > 1
+        self.families: list[tuple[tuple[str, ...], ...]] = []
+        self.family_of_row: dict[int, int] = {}
 
-    def tasks_for(self, present: tuple[str, ...], rng: np.random.Generator) -> list[Task]:
-        return exact_tasks(present) if self.exact else sample_tasks(present, rng)
+    def batch_keys(self, ids: np.ndarray, present: np.ndarray) -> np.ndarray | None:
+        if not self.use_families:
+            return None
+        index = {f: i for i, f in enumerate(self.families)}
+        keys = np.empty(len(ids), dtype=np.int64)
+        for j, row in enumerate(ids.tolist()):
+            if row not in self.family_of_row:
+                passive = tuple(b for b, on in zip(self.blocks, present[j], strict=True)
+                                if on and b != self.own_name)
+                rng = np.random.default_rng([self.config.seed, 0xFA3, row])
+                family = draw_family(passive, self.config.min_group, rng)
+                if family not in index:
+                    index[family] = len(self.families)
+                    self.families.append(family)
+                self.family_of_row[row] = index[family]
+            keys[j] = self.family_of_row[row]
+        return keys
+
+    def family_tasks(self, row: int, present: tuple[str, ...]) -> list[Task]:
+        """The loss terms of a row's family (lost parties removed) over blocks `present`."""
+        members = []
+        for member in self.families[self.family_of_row[row]]:
+            alive = tuple(b for b in member if b in present)
+            if len(alive) >= self.config.min_group and alive not in members:
+                members.append(alive)
+        subsets = list(members)
+        if self.own_name in present:
+            subsets += [(*m, self.own_name) for m in members] + [(self.own_name,)]
+        return [Task(head=k, subset=sub, weight=1.0 / len(sub)) for sub in subsets for k in sub]
+
+    def tasks_for(self, ids: np.ndarray, present: tuple[str, ...], rng: np.random.Generator
+                  ) -> tuple[list[Task], int]:
+        """The batch's loss terms and how many terms of the paper's objective are left out."""
+        if self.use_families:
+            tasks = self.family_tasks(int(ids[0]), present)
+            return tasks, len(exact_tasks(present)) - len(tasks)
+        tasks = exact_tasks(present) if self.exact else sample_tasks(present, rng)
+        usable = [t for t in tasks if self.sum_allowed(t.subset)]
+        return usable, len(tasks) - len(usable)
 
     def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
                    epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
-        tasks = self.tasks_for(present, rng)
-        usable = [t for t in tasks if self.sum_allowed(t.subset)]
-        skipped = len(tasks) - len(usable)
-        if not usable:
+        tasks, skipped = self.tasks_for(ids, present, rng)
+        if not tasks:
             return None, skipped
-        subsets = list(dict.fromkeys(t.subset for t in usable))
+        subsets = list(dict.fromkeys(t.subset for t in tasks))
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
-        loss = laser_objective(sums, usable, self.heads, self.labels_tensor(ids),
+        loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids),
                                self.config.task)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -780,7 +867,8 @@ class LaserActive(BlockActive):
         """Algorithm 2: every head k in `subset` predicts g_k(mean of the subset's
         representations) on rows `ids` (which must all hold every block of `subset`). Raises
         `securevfl.secure_sum.GroupTooSmall` (through the context) if the subset's sum is
-        refused; check `sum_allowed` first."""
+        refused; check `sum_allowed` first. In secure modes, predicting the same rows from two
+        different subsets reveals the sum over their difference: ask once per row."""
         subset = tuple(b for b in self.blocks if b in subset)
         self.heads.eval()
         if self.own is not None:
@@ -806,6 +894,12 @@ class LaserActive(BlockActive):
     def summary(self) -> dict[str, Any]:
         out = super().summary()
         out["skipped_tasks_total"] = self.skipped_tasks_total
+        if self.use_families:
+            sizes: dict[str, int] = {}
+            for i in self.family_of_row.values():
+                key = "+".join(str(len(m)) for m in self.families[i]) or "none"
+                sizes[key] = sizes.get(key, 0) + 1
+            out["row_families"] = sizes  # member sizes -> training rows
         return out
 
 

@@ -25,6 +25,7 @@ from securevfl.methods.base import ActiveContext, MethodSpec, register_method
 from securevfl.methods.vfem import (
     COMMON_OPTIONS,
     BlockRegressionActive,
+    VFEM_SECURE_DEFAULTS,
     BlockRegressionParty,
     VfemInputError,
     option_check,
@@ -132,6 +133,7 @@ register_method(
         tasks=("regression",),
         description="complete-case OLS over the parties (a VFEM comparator)",
         extra_checks=(option_check(COMMON_OPTIONS),),
+        secure_defaults=VFEM_SECURE_DEFAULTS,
     )
 )
 register_method(
@@ -142,6 +144,7 @@ register_method(
         tasks=("regression",),
         description="mean-imputation OLS over the parties (a VFEM comparator)",
         extra_checks=(option_check(COMMON_OPTIONS),),
+        secure_defaults=VFEM_SECURE_DEFAULTS,
     )
 )
 register_method(
@@ -152,5 +155,6 @@ register_method(
         tasks=("regression",),
         description="OLS on one role's block (a VFEM comparator)",
         extra_checks=(option_check(_SINGLE_OPTIONS), _check_single),
+        secure_defaults=VFEM_SECURE_DEFAULTS,
     )
 )

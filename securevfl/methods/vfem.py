@@ -75,6 +75,8 @@ INITS = ("cc", "impute", "zero")
 MIN_FRAC_BITS = 32
 SUGGESTED_FRAC_BITS = 40
 SUGGESTED_BOUND = 2.0**18
+# the [secure] defaults of the regression methods when the config leaves them out
+VFEM_SECURE_DEFAULTS = (("frac_bits", SUGGESTED_FRAC_BITS), ("bound", SUGGESTED_BOUND))
 # probe evaluations per secure-sum round: rows x evaluations stays below this many floats
 PROBE_FLOATS = 1 << 21
 # sigma^2 is ~1 on the internal (standardised) scale; far beyond means the iteration diverged
@@ -698,6 +700,8 @@ class BlockRegressionActive(ActiveMethod):
 
     method_label = "vfem"
     ols = False  # OLS comparators: classical s^2 and t-based inference
+    progress_unit = "iteration"  # EM runs to convergence: no fixed total
+    progress_total = None
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -1303,5 +1307,6 @@ SPEC = register_method(
         tasks=("regression",),
         description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
         extra_checks=(option_check(VFEM_OPTIONS),),
+        secure_defaults=VFEM_SECURE_DEFAULTS,
     )
 )

@@ -165,7 +165,10 @@ class FederationContext:
             "round": self.round,
         })
         parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
-        line = f"epoch {epoch + 1}/{self.config.epochs}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        unit = getattr(self.method, "progress_unit", "epoch")
+        total = getattr(self.method, "progress_total", self.config.epochs)
+        of = f"/{total}" if total else ""
+        line = f"{unit} {epoch + 1}{of}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
         if self.privacy is not None and self.privacy.plan.mechanisms:
             spent = ", ".join(f"{m} {e:.3g}" for m, e in self.privacy.spent().items())
             line += f"  epsilon spent: {spent} (delta {self.privacy.delta:g})"

@@ -41,13 +41,13 @@ def test_standard_vfl_trains_on_complete_rows_and_guesses_otherwise(tmp_path):
     fed, metrics = run(tmp_path, "standard-vfl", aggregation="mask", p_train=0.3, p_test=0.3,
                        epochs=2)
     forwards = [c for c in fed.calls if c[0] == "forward" and c[2]]
-    train_groups = {spec.group for _, _, specs in forwards for spec in specs}
+    train_groups = {spec.group for _, _, specs, _ in forwards for spec in specs}
     assert train_groups == {tuple(sorted(fed.config.party_names))}
     complete = fed.presence(fed.test_ids).all(axis=1)
     assert metrics["n_fallback"] == int((~complete).sum()) > 0
     # the gradient dL/dS is the same for every contributor: one backward call to all of them
     backward = [c for c in fed.calls if c[0] == "backward"]
-    assert all(len(to) == 4 for _, to, _ in backward)
+    assert all(len(to) == 4 for _, to, _, _ in backward)
 
 
 def test_ensemble_is_a_vote_of_the_local_models(tmp_path):
@@ -81,7 +81,7 @@ def test_plugvfl_leaves_out_rows_without_its_anchor(tmp_path):
     assert metrics["n_excluded"] == int((~has_anchor).sum()) > 0
     assert metrics["n_eval"] == int(has_anchor.sum())
     forwards = [c for c in fed.calls if c[0] == "forward" and c[2]]
-    assert all("p3" in spec.group for _, _, specs in forwards for spec in specs)
+    assert all("p3" in spec.group for _, _, specs, _ in forwards for spec in specs)
     assert fed.method.anchor == "p3"
 
 
@@ -94,4 +94,7 @@ def test_plugvfl_options_are_checked(tmp_path):
     assert info.value.key == "[method] p_drop"
     with pytest.raises(ConfigError) as info:
         block_config(tmp_path, method="local", options={"p_drop": 0.1})
+    assert info.value.key == "[method] p_drop"
+    with pytest.raises(ConfigError) as info:  # dropout lets sums difference to one party
+        block_config(tmp_path, method="plugvfl", aggregation="mask", options={"p_drop": 0.1})
     assert info.value.key == "[method] p_drop"

@@ -29,6 +29,7 @@ from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.methods.laser import (
     BlockParty,
     LaserActive,
+    draw_family,
     exact_tasks,
     laser_objective,
     lr_at,
@@ -122,7 +123,7 @@ class DirectFederation:
         self.released: list[dict[str, np.ndarray]] = []
         self.logs: list[str] = []
         self.history: list[dict[str, float]] = []
-        self.calls: list[tuple[str, tuple[str, ...], tuple[SumSpec, ...]]] = []
+        self.calls: list[tuple[str, tuple[str, ...], tuple[SumSpec, ...], np.ndarray]] = []
         self.train_ids, self.test_ids = train_test_split(
             self.active_table.ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
             labels=self.active_table.labels, stratify=True)
@@ -156,7 +157,7 @@ class DirectFederation:
             if p in self._drops and self.round >= self._drops[p]:
                 self._parties.remove(p)
                 raise PartyDropped(p)
-        self.calls.append((op, tuple(to), tuple(sums)))
+        self.calls.append((op, tuple(to), tuple(sums), np.array(ids)))
         outs = {p: self.party_methods[p].handle(op, ids=np.asarray(ids), args=dict(args or {}),
                                                 inputs=dict(inputs or {})) for p in to}
         result = {}
@@ -397,7 +398,71 @@ def test_secure_mode_skips_small_subsets_and_logs_the_count(tmp_path):
     # parties get their own gradients (one call each), except those whose gradients are equal
     # (e.g. two present parties training only their pair), which share one call
     backward = [c for c in fed.calls if c[0] == "backward"]
-    assert any(len(to) == 1 for _, to, _ in backward)
+    assert any(len(to) == 1 for _, to, _, _ in backward)
+
+
+def _low_weight_vector_in_span(groups, parties, min_group):
+    """A 0/1 combination over fewer than `min_group` parties that the sums over `groups` (of
+    the same rows) determine, or None."""
+    from itertools import combinations as comb
+
+    rows = np.array([[p in g for p in parties] for g in groups], dtype=float)
+    rank = np.linalg.matrix_rank(rows)
+    for size in range(1, min_group):
+        for members in comb(range(len(parties)), size):
+            v = np.zeros(len(parties))
+            v[list(members)] = 1
+            if np.linalg.matrix_rank(np.vstack([rows, v])) == rank:
+                return [parties[i] for i in members]
+    return None
+
+
+@pytest.mark.parametrize("min_group", [2, 3])
+def test_secure_sums_of_a_row_never_difference_to_fewer_than_min_group(tmp_path, min_group):
+    cfg = block_config(tmp_path, aggregation="mask", p_train=0.2, epochs=2, n=400,
+                       run={"min_group": min_group})
+    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
+    fed.run()
+    groups_of: dict[int, set[tuple[str, ...]]] = {}
+    for op, _, specs, ids in fed.calls:
+        if op == "forward":
+            for row in ids.tolist():
+                groups_of.setdefault(row, set()).update(spec.group for spec in specs)
+    assert groups_of
+    assert any(len(g) > 1 for g in groups_of.values())  # rows are summed over several groups
+    for row, groups in groups_of.items():
+        leak = _low_weight_vector_in_span(sorted(groups), cfg.party_names, min_group)
+        assert leak is None, f"row {row}: sums over {sorted(groups)} reveal {leak}"
+
+
+def test_the_papers_sampling_would_leak_through_differences():
+    # why secure modes use fixed families: one step of the paper's sampling over four parties
+    tasks = sample_tasks(("a", "b", "c", "d"), np.random.default_rng(0))
+    groups = sorted({t.subset for t in tasks if len(t.subset) >= 2})
+    assert _low_weight_vector_in_span(groups, ("a", "b", "c", "d"), 2) is not None
+
+
+def test_families_are_laminar_with_large_enough_members():
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(200):
+        fam = draw_family(("a", "b", "c", "d", "e"), 2, rng)
+        seen.add(tuple(len(m) for m in fam))
+        assert fam[0] == ("a", "b", "c", "d", "e")
+        assert all(len(m) >= 2 for m in fam)
+        parts = fam[1:]
+        assert sum(len(m) for m in parts) in (0, 5)  # a partition of the present set, or none
+        assert _low_weight_vector_in_span(fam, ("a", "b", "c", "d", "e"), 2) is None
+    assert seen == {(5,), (5, 3, 2)}
+    assert draw_family(("a",), 2, rng) == ()
+
+
+def test_secure_modes_refuse_re_evaluating_rows_under_other_patterns(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        block_config(tmp_path, aggregation="mask", options={"eval_test_missing": [0.5]})
+    assert info.value.key == "[method] eval_test_missing"
+    block_config(tmp_path, aggregation="mask", options={"eval_test_missing": [0.5]},
+                 run={"min_group": 1})  # the explicit opt-in allows it
 
 
 def test_min_group_one_is_an_explicit_opt_in_that_trains_every_task(tmp_path):
