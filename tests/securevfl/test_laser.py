@@ -384,7 +384,7 @@ def test_masked_subset_sums_decode_to_the_plaintext_subset_sums(tmp_path):
         assert arr.dtype == np.uint64
 
 
-def test_secure_mode_skips_small_subsets_and_logs_the_count(tmp_path):
+def test_secure_mode_skips_terms_it_cannot_sum_safely_and_logs_the_count(tmp_path):
     cfg = block_config(tmp_path, aggregation="mask", p_train=0.5, p_test=0.5, epochs=2)
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     metrics = fed.run()
@@ -395,10 +395,11 @@ def test_secure_mode_skips_small_subsets_and_logs_the_count(tmp_path):
     assert fed.method.summary()["skipped_tasks_total"] == sum(h["skipped_tasks"]
                                                               for h in fed.history)
     assert metrics["n_fallback"] > 0  # test rows with one present party
-    # parties get their own gradients (one call each), except those whose gradients are equal
-    # (e.g. two present parties training only their pair), which share one call
+    # parties whose gradients differ get their own calls: with a family {abcd, ab, cd}, a and
+    # b get dL/dS_abcd + dL/dS_ab, c and d get dL/dS_abcd + dL/dS_cd
     backward = [c for c in fed.calls if c[0] == "backward"]
-    assert any(len(to) == 1 for _, to, _, _ in backward)
+    assert any(len(to) == 2 for _, to, _, _ in backward)
+    assert fed.method.summary()["row_families"]
 
 
 def _low_weight_vector_in_span(groups, parties, min_group):
@@ -417,10 +418,11 @@ def _low_weight_vector_in_span(groups, parties, min_group):
     return None
 
 
-@pytest.mark.parametrize("min_group", [2, 3])
-def test_secure_sums_of_a_row_never_difference_to_fewer_than_min_group(tmp_path, min_group):
+@pytest.mark.parametrize(("min_group", "blocks"), [(2, 4), (3, 6)])
+def test_secure_sums_of_a_row_never_difference_to_fewer_than_min_group(tmp_path, min_group,
+                                                                        blocks):
     cfg = block_config(tmp_path, aggregation="mask", p_train=0.2, epochs=2, n=400,
-                       run={"min_group": min_group})
+                       blocks=blocks, run={"min_group": min_group})
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     fed.run()
     groups_of: dict[int, set[tuple[str, ...]]] = {}
