@@ -197,16 +197,8 @@ class Aggregator:
                     ckks_public_context=None if ckks is None else ckks.tobytes(),
                 )
             )
-        forward = Envelope(
-            kind=P.CALL,
-            sender=AGGREGATOR,
-            session=env.session,
-            round=env.round,
-            tensors=env.tensors,
-            meta=env.meta,
-        )
         for party in to:
-            self.hub.send(party, forward)
+            self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
         replies: dict[str, Envelope] = {}
         accepted: dict[str, dict[str, Any]] = {spec.key: {} for spec in sums}
         while len(replies) < len(to):
@@ -269,17 +261,7 @@ class Aggregator:
                     if k.rsplit("@", 1)[1] != party:
                         raise P.RunAborted(f"{party} sent {k!r}, which claims another sender")
                     tensors[k] = v
-        self.hub.send(
-            self.active,
-            Envelope(
-                kind=P.RESULT,
-                sender=AGGREGATOR,
-                session=env.session,
-                round=env.round,
-                tensors=tensors,
-                meta={"shapes": shapes},
-            ),
-        )
+        self._reply(self.active, P.RESULT, env, tensors=tensors, meta={"shapes": shapes})
 
     def _accept(self, reply: Envelope, sums: list) -> dict[str, Any]:
         """Validate every array a party sent for this round before any of it is used."""
@@ -317,24 +299,20 @@ class Aggregator:
         return True
 
     def _tell_lost(self, env: Envelope, lost: list[str]) -> None:
+        self._reply(self.active, P.RESULT, env, meta={"lost": lost, "shapes": {}})
+
+    def _reply(self, to: str, kind: str, env: Envelope, **fields: Any) -> None:
+        """Send `kind` to `to` in the session and round of `env`."""
         self.hub.send(
-            self.active,
-            Envelope(
-                kind=P.RESULT,
-                sender=AGGREGATOR,
-                session=env.session,
-                round=env.round,
-                meta={"lost": lost, "shapes": {}},
-            ),
+            to,
+            Envelope(kind=kind, sender=AGGREGATOR, session=env.session, round=env.round, **fields),
         )
 
     def _finish(self, env: Envelope) -> None:
         stats: dict[str, Any] = {}
         alive = sorted(self.parties - self.dead)
         for party in alive:
-            self.hub.send(
-                party, Envelope(kind=P.BYE, sender=AGGREGATOR, session=env.session, round=env.round)
-            )
+            self._reply(party, P.BYE, env)
         while len(stats) < len(alive):
             reply = self._recv(timeout=self.cfg.round_timeout, waiting_for="the parties' stats")
             if reply.kind == P.STATS and reply.sender in alive:
@@ -348,16 +326,7 @@ class Aggregator:
             "bytes_received": int(self.hub.bytes_received),
             "rejected_messages": int(getattr(self.hub, "rejected", 0)) + self.rejected,
         }
-        self.hub.send(
-            self.active,
-            Envelope(
-                kind=P.STATS,
-                sender=AGGREGATOR,
-                session=env.session,
-                round=env.round,
-                meta={"stats": stats},
-            ),
-        )
+        self._reply(self.active, P.STATS, env, meta={"stats": stats})
         time.sleep(0.2)  # let the last frames leave before the socket closes
 
 
