@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--aggregations", default="plain,mask,ckks")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="interleaved repetitions (plain, mask, ckks, plain, ...) against drift")
     args = ap.parse_args()
     if not args.data.exists():
         raise SystemExit(f"{args.data} not found; pass --data PATH/credit_default.csv")

@@ -540,7 +540,7 @@ class BlockActive(ActiveMethod):
         for members in groups.values():
             for tensor, g in per_party[members[0]].items():
                 flat[f"{'+'.join(members)}/{tensor}"] = (g * n).cpu().numpy()
-        released = ctx.release_gradients(flat, epoch=epoch)
+        released = ctx.release_gradients(flat, epoch=epoch, ids=ids)
         for members in groups.values():
             inputs = {t: np.asarray(released[f"{'+'.join(members)}/{t}"], dtype=np.float32) / n
                       for t in per_party[members[0]]}

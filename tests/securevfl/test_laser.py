@@ -176,7 +176,8 @@ class DirectFederation:
     def presence(self, ids: np.ndarray) -> np.ndarray:
         return np.stack([self.tables[p].has(ids) for p in self.config.party_names], axis=1)
 
-    def release_gradients(self, grads, *, epoch):
+    def release_gradients(self, grads, *, epoch, ids=None):
+        assert ids is not None and all(len(v) == len(ids) for v in grads.values())
         self.released.append({k: np.array(v) for k, v in grads.items()})
         return {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
 
@@ -549,6 +550,21 @@ def test_active_party_with_its_own_block(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # end to end over the real protocol (threads, in-process ZeroMQ, CURVE)
+
+
+def test_laser_gradients_go_through_label_dp(tmp_path):
+    from securevfl.inproc import run_federation
+
+    cfg = block_config(tmp_path, aggregation="mask", p_train=0.3, epochs=2, n=300,
+                       run={"transport": "inproc"},
+                       privacy={"label_dp": {"noise_multiplier": 1.0, "clip": 1.0},
+                                "delta": 1e-5},
+                       network={"heartbeat_interval": 0.2, "peer_timeout": 5.0,
+                                "round_timeout": 30.0, "startup_timeout": 30.0})
+    code, metrics = run_federation(cfg, out=tmp_path / "run")
+    assert code == 0
+    ledgers = list((tmp_path / "run").rglob("*ledger*"))
+    assert ledgers and any("label_dp" in p.read_text() for p in ledgers if p.is_file())
 
 
 class CrashingParty(BlockParty):
