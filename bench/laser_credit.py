@@ -84,17 +84,28 @@ def hyperparameters(method: str, p_train: float) -> dict[str, Any]:
 
 
 def run_key(method: str, aggregation: str, p_train: float, seed: int, epochs: int,
-            scaling: str, min_group: int = 2) -> str:
+            scaling: str, min_group: int = 2, families: bool = False) -> str:
     key = (f"{method}|{aggregation}|p_train={p_train:g}|seed={seed}|epochs={epochs}|"
            f"scaling={scaling}")
-    return key if aggregation == "plain" or min_group == 2 else f"{key}|min_group={min_group}"
+    if aggregation != "plain" and min_group != 2:
+        key += f"|min_group={min_group}"
+    return key + "|families" if families else key
 
 
 def build_config(job: dict[str, Any], run_dir: Path):
     from securevfl.config import parse_config
 
     hp = hyperparameters(job["method"], job["p_train"])
-    options = dict(hp["options"], eval_test_missing=list(P_VALUES), scaling=job["scaling"])
+    options = dict(hp["options"], scaling=job["scaling"])
+    if job.get("families"):
+        options["families"] = True  # plain, trained as secure modes train (the training cost)
+    missing: dict[str, Any] = {}
+    if job["aggregation"] == "plain":
+        options["eval_test_missing"] = list(P_VALUES)
+    else:  # secure modes refuse re-testing rows under other patterns: one p_test per run
+        missing["test"] = {"kind": "mcar", "p": job["p_test"]}
+    if job["p_train"] > 0:
+        missing["train"] = {"kind": "mcar", "p": job["p_train"]}
     raw: dict[str, Any] = {
         "run": {"method": job["method"], "aggregation": job["aggregation"], "seed": job["seed"],
                 "transport": "inproc", "min_group": job.get("min_group", 2)},
@@ -110,8 +121,8 @@ def build_config(job: dict[str, Any], run_dir: Path):
         "network": {"heartbeat_interval": 1.0, "peer_timeout": 60.0, "round_timeout": 600.0,
                     "startup_timeout": 120.0},
     }
-    if job["p_train"] > 0:
-        raw["missing"] = {"train": {"kind": "mcar", "p": job["p_train"]}}
+    if missing:
+        raw["missing"] = missing
     return parse_config(raw, source=run_dir / "config.toml")
 
 
@@ -129,7 +140,14 @@ def run_direct(cfg, run_dir: Path) -> dict[str, Any]:
 
 
 def train_once(job: dict[str, Any]) -> dict[str, Any]:
-    """One federation (all roles as threads of this process); returns the JSON entry."""
+    """One federation; returns the JSON entry. Failures come back as RuntimeError (picklable)."""
+    try:
+        return _train_once(job)
+    except Exception as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _train_once(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -148,15 +166,18 @@ def train_once(job: dict[str, Any]) -> dict[str, Any]:
                                  for p in (work / "run" / "logs").glob("*.log"))
                 raise RuntimeError(f"run {job['key']} exited with status {code}:\n{logs}")
         wall = time.perf_counter() - started
-        extra = metrics["extra_tests"]
+        extra = metrics.get("extra_tests") or {f"p_test={job['p_test']:g}": metrics["test"]}
+        tested = [p for p in P_VALUES if f"p_test={p:g}" in extra]
         entry = {k: job[k] for k in ("method", "aggregation", "p_train", "seed", "epochs",
                                      "scaling")}
         entry["min_group"] = job.get("min_group", 2)
+        entry["families"] = bool(job.get("families"))
         entry["transport"] = job.get("transport", "inproc")
         for name in ("f1", "accuracy"):
-            entry[name] = {f"{p:g}": 100 * extra[f"p_test={p:g}"][name] for p in P_VALUES}
+            entry[name] = {f"{p:g}": 100 * extra[f"p_test={p:g}"][name] for p in tested}
         for name in ("n_eval", "n_fallback", "n_excluded"):
-            entry[name] = {f"{p:g}": extra[f"p_test={p:g}"][name] for p in P_VALUES}
+            entry[name] = {f"{p:g}": extra[f"p_test={p:g}"][name] for p in tested}
+        entry["row_families"] = metrics.get("row_families")
         entry["skipped_tasks_total"] = metrics.get("skipped_tasks_total")
         entry["train_seconds"] = float(sum(metrics["epoch_seconds"])) or None
         entry["wall_seconds"] = wall
@@ -282,38 +303,47 @@ def checks(plot: dict[str, dict[tuple[float, float], tuple[float, float, int]]])
 
 
 def mask_section(results: dict[str, Any], *, scaling: str, epochs: int | None) -> list[str]:
-    out = ["Secure aggregation, mask vs plain (LASER-VFL, 0.5/0.5, through inproc):", ""]
+    out = ["Secure aggregation vs plain (LASER-VFL, 0.5/0.5, same seed; secure runs through "
+           "inproc):", ""]
     rows = []
-    for _, entry in sorted(results["runs"].items()):
-        if entry["method"] != "laser" or entry["p_train"] != 0.5 or entry["aggregation"] == "plain":
+    for entry in sorted(results["runs"].values(), key=lambda e: (e["seed"], e["aggregation"],
+                                                                  -e.get("min_group", 2))):
+        if entry["method"] != "laser" or entry["p_train"] != 0.5 or entry["scaling"] != scaling:
             continue
-        if entry["scaling"] != scaling or (epochs and entry["epochs"] != epochs):
+        if entry["aggregation"] == "plain" and not entry.get("families"):
+            continue
+        if epochs and entry["epochs"] != epochs:
             continue
         twin = results["runs"].get(run_key("laser", "plain", 0.5, entry["seed"], entry["epochs"],
                                            scaling))
-        if twin is None:
-            continue
-        rows.append((entry, twin))
+        if twin is not None and "0.5" in entry["f1"]:
+            rows.append((entry, twin))
     if not rows:
         return out + ["(not run yet: `--mask-compare`)"]
-    out += ["| seed | epochs | aggregation | min_group | F1 plain | F1 secure | diff | skipped "
-            "loss terms (all epochs) | test rows given a random class |", "|---|" * 9]
+    out += ["| seed | run | training | test rows given a random class | F1 plain | F1 run | "
+            "diff | loss terms left out (all epochs) |", "|---|" * 8]
     for entry, twin in rows:
-        f_plain, f_sec = twin["f1"]["0.5"], entry["f1"]["0.5"]
-        out.append(f"| {entry['seed']} | {entry['epochs']} | {entry['aggregation']} | "
-                   f"{entry.get('min_group', 2)} | {f_plain:.1f} | {f_sec:.1f} | "
-                   f"{f_sec - f_plain:+.1f} | {entry['skipped_tasks_total']} | "
-                   f"{entry['n_fallback']['0.5']} of {entry['n_eval']['0.5']} |")
+        if entry["aggregation"] == "plain":
+            run, training = "plain, `families = true`", "fixed families (as secure modes)"
+        elif entry.get("min_group", 2) == 1:
+            run, training = f"{entry['aggregation']}, min_group = 1", "the paper's sampling"
+        else:
+            run = f"{entry['aggregation']}, min_group = {entry.get('min_group', 2)}"
+            training = "fixed families"
+        f_plain, f_run = twin["f1"]["0.5"], entry["f1"]["0.5"]
+        out.append(f"| {entry['seed']} | {run} | {training} | {entry['n_fallback']['0.5']} of "
+                   f"{entry['n_eval']['0.5']} | {f_plain:.1f} | {f_run:.1f} | "
+                   f"{f_run - f_plain:+.1f} | {entry.get('skipped_tasks_total')} |")
     return out
 
 
 def timing(results: dict[str, Any]) -> list[str]:
     per: dict[str, list[float]] = {}
     for entry in results["runs"].values():
-        if entry["aggregation"] == "plain":
-            per.setdefault(f"{entry['method']} p_train={entry['p_train']:g} "
-                           f"epochs={entry['epochs']}", []).append(entry["wall_seconds"])
-    out = ["## Time per run (wall seconds, one process, all roles as threads)", ""]
+        per.setdefault(f"{entry['method']} {entry['aggregation']} p_train={entry['p_train']:g} "
+                       f"epochs={entry['epochs']} via {entry.get('transport', 'inproc')}",
+                       []).append(entry["wall_seconds"])
+    out = ["## Time per run (wall seconds of one process; 2 shared cores)", ""]
     for name, secs in sorted(per.items()):
         out.append(f"- {name}: {sum(secs) / len(secs):.0f} s (n={len(secs)})")
     return out
@@ -401,14 +431,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     jobs: list[dict[str, Any]] = []
 
-    def add(method: str, aggregation: str, p_train: float, seed: int, min_group: int = 2) -> None:
+    def add(method: str, aggregation: str, p_train: float, seed: int, min_group: int = 2,
+            p_test: float | None = None, families: bool = False) -> None:
         epochs = args.epochs or hyperparameters(method, p_train)["epochs"]
-        key = run_key(method, aggregation, p_train, seed, epochs, args.scaling, min_group)
+        key = run_key(method, aggregation, p_train, seed, epochs, args.scaling, min_group,
+                      families)
         if key not in results["runs"]:
             jobs.append({"key": key, "method": method, "aggregation": aggregation,
                          "p_train": p_train, "seed": seed, "epochs": epochs,
                          "scaling": args.scaling, "data": str(args.data),
-                         "min_group": min_group, "workdir": args.workdir,
+                         "min_group": min_group, "workdir": args.workdir, "p_test": p_test,
+                         "families": families,
                          "transport": args.transport})
 
     if not args.report_only:
@@ -419,8 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         add(method, "plain", p_train, seed)
         if args.mask_compare:
             add("laser", "plain", 0.5, seeds[0])
-            add("laser", "mask", 0.5, seeds[0])
-            add("laser", "mask", 0.5, seeds[0], min_group=1)
+            add("laser", "mask", 0.5, seeds[0], p_test=0.5)
+            add("laser", "mask", 0.5, seeds[0], min_group=1, p_test=0.5)
+            add("laser", "plain", 0.5, seeds[0], families=True)
     if jobs:
         print(f"{len(jobs)} runs to do ({len(results['runs'])} already in {path})", flush=True)
         started = time.perf_counter()

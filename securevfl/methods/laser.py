@@ -803,7 +803,8 @@ class LaserActive(BlockActive):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.exact = bool(self.config.option("exact_objective", False))
-        self.use_families = self.secure and self.config.min_group > 1
+        self.use_families = bool(self.config.option("families",
+                                                    differencing_matters(self.config)))
         self.families: list[tuple[tuple[str, ...], ...]] = []
         self.family_of_row: dict[int, int] = {}
 
@@ -903,12 +904,20 @@ class LaserActive(BlockActive):
         return out
 
 
-def _check_exact(cfg: RunConfig) -> None:
+def _check_laser(cfg: RunConfig) -> None:
     _opt_bool(cfg, "exact_objective")
+    _opt_bool(cfg, "families")
+    if cfg.option("families") is False and differencing_matters(cfg):
+        raise ConfigError(
+            "[method] families",
+            f"the paper's task sampling sums the same rows over subsets that differ by one "
+            f"party, so {cfg.aggregation!r} with min_group = {cfg.min_group} needs the fixed "
+            "families; remove the option, or set [run] min_group = 1 to accept unprotected sums")
 
 
 SPEC = register_method(MethodSpec(
     name="laser", active=LaserActive, party=BlockParty, tasks=CLASSIFICATION,
     description="LASER-VFL: a head per party over the mean of any subset of present parties",
-    extra_checks=(option_checks("laser", extra_keys=("exact_objective",), check=_check_exact),),
+    extra_checks=(option_checks("laser", extra_keys=("exact_objective", "families"),
+                                check=_check_laser),),
 ))

@@ -468,6 +468,17 @@ def test_secure_modes_refuse_re_evaluating_rows_under_other_patterns(tmp_path):
                  run={"min_group": 1})  # the explicit opt-in allows it
 
 
+def test_families_can_be_asked_for_in_plain_mode_but_not_turned_off_in_secure_modes(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        block_config(tmp_path, aggregation="mask", options={"families": False})
+    assert info.value.key == "[method] families"
+    cfg = block_config(tmp_path, options={"families": True}, epochs=1)
+    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
+    fed.fit()
+    assert fed.method.use_families and fed.history[0]["skipped_tasks"] > 0
+    assert all(len(spec.group) >= 2 for spec, _, _ in fed.sums)
+
+
 def test_min_group_one_is_an_explicit_opt_in_that_trains_every_task(tmp_path):
     cfg = block_config(tmp_path, aggregation="mask", p_train=0.5, epochs=1,
                        run={"min_group": 1})
