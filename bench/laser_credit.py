@@ -41,38 +41,55 @@ if str(REPO) not in sys.path:
 DEFAULT_DATA = Path(os.environ.get("SECUREVFL_CREDIT", "/work/shared/data/credit_default.csv"))
 DEFAULT_OUT = REPO / "bench" / "results"
 METHODS = ("local", "standard-vfl", "ensemble", "combinatorial", "plugvfl", "laser")
-LABELS = {"local": "Local", "standard-vfl": "Standard VFL", "ensemble": "Ensemble",
-          "combinatorial": "Combinatorial", "plugvfl": "PlugVFL", "laser": "LASER-VFL"}
+LABELS = {
+    "local": "Local",
+    "standard-vfl": "Standard VFL",
+    "ensemble": "Ensemble",
+    "combinatorial": "Combinatorial",
+    "plugvfl": "PlugVFL",
+    "laser": "LASER-VFL",
+}
 P_VALUES = (0.0, 0.1, 0.5)
-TRANSPORT_TEXT = ("inproc: the whole protocol, every role a thread, ZeroMQ with CURVE; direct: "
-                  "the same method and secure-sum stages in one thread without ZeroMQ, which "
-                  "gives the same numbers bit for bit")
-SCALING_TEXT = {"zscore": "z-scores fitted on the training rows",
-                "minmax": "min-max scaled to [0, 1] on the training rows",
-                "none": "raw values (not scaled)"}
+TRANSPORT_TEXT = (
+    "inproc: the whole protocol, every role a thread, ZeroMQ with CURVE; direct: "
+    "the same method and secure-sum stages in one thread without ZeroMQ, which "
+    "gives the same numbers bit for bit"
+)
+SCALING_TEXT = {
+    "zscore": "z-scores fitted on the training rows",
+    "minmax": "min-max scaled to [0, 1] on the training rows",
+    "none": "raw values (not scaled)",
+}
 CELLS = tuple((a, b) for a in P_VALUES for b in P_VALUES)
 
 # Table 1, Credit, F1 x 100 (mean, std over 5 seeds), cells (p_train, p_test)
 _PAPER_ROWS = {
     "local": "37.7 3.1 37.6 3.1 37.5 3.2 37.6 3.0 37.6 2.9 37.5 3.2 36.2 3.5 36.2 3.6 36.0 3.6",
     "standard-vfl": "45.7 2.6 38.8 2.5 31.0 0.7 42.4 1.2 38.3 0.7 31.0 0.7 32.4 2.4 32.5 1.3 "
-                    "30.3 0.5",
+    "30.3 0.5",
     "ensemble": "42.1 1.0 42.1 1.0 40.1 0.8 41.4 1.3 40.8 0.9 39.2 1.1 42.4 2.1 41.8 1.7 40.1 1.1",
     "combinatorial": "42.8 2.9 42.7 2.5 41.7 1.5 44.4 1.0 41.8 2.2 41.7 1.5 32.8 3.6 36.3 0.6 "
-                     "37.6 2.1",
+    "37.6 2.1",
     "plugvfl": "44.4 3.7 41.3 4.0 32.7 4.6 40.8 2.0 39.8 1.6 37.9 1.7 38.6 2.1 37.8 0.9 35.4 3.4",
     "laser": "46.5 2.8 45.0 2.5 43.7 1.2 43.1 4.2 41.9 4.0 41.3 1.9 41.5 4.2 40.9 4.0 41.4 1.7",
 }
-PAPER = {m: {cell: (float(v[2 * i]), float(v[2 * i + 1])) for i, cell in enumerate(CELLS)}
-         for m, row in _PAPER_ROWS.items() for v in [row.split()]}
+PAPER = {
+    m: {cell: (float(v[2 * i]), float(v[2 * i + 1])) for i, cell in enumerate(CELLS)}
+    for m, row in _PAPER_ROWS.items()
+    for v in [row.split()]
+}
 
 
 def hyperparameters(method: str, p_train: float) -> dict[str, Any]:
     """The paper's code for Credit: Adam, batch 128, class-balanced sampling; LASER lr 1e-4,
     wd 1e-3, 100 epochs (125 and a cosine schedule to 0.2·lr at p_train = 0.5); Ensemble lr
     1e-4, wd 1e-3, 50 epochs; the others lr 1e-4, wd 1e-4, 75 epochs."""
-    hp: dict[str, Any] = {"lr": 1e-4, "weight_decay": 1e-4, "epochs": 75,
-                          "options": {"balanced": True}}
+    hp: dict[str, Any] = {
+        "lr": 1e-4,
+        "weight_decay": 1e-4,
+        "epochs": 75,
+        "options": {"balanced": True},
+    }
     if method == "laser":
         hp.update(weight_decay=1e-3, epochs=100)
         if p_train >= 0.5:
@@ -83,10 +100,19 @@ def hyperparameters(method: str, p_train: float) -> dict[str, Any]:
     return hp
 
 
-def run_key(method: str, aggregation: str, p_train: float, seed: int, epochs: int,
-            scaling: str, min_group: int = 2, families: bool = False) -> str:
-    key = (f"{method}|{aggregation}|p_train={p_train:g}|seed={seed}|epochs={epochs}|"
-           f"scaling={scaling}")
+def run_key(
+    method: str,
+    aggregation: str,
+    p_train: float,
+    seed: int,
+    epochs: int,
+    scaling: str,
+    min_group: int = 2,
+    families: bool = False,
+) -> str:
+    key = (
+        f"{method}|{aggregation}|p_train={p_train:g}|seed={seed}|epochs={epochs}|scaling={scaling}"
+    )
     if aggregation != "plain" and min_group != 2:
         key += f"|min_group={min_group}"
     return key + "|families" if families else key
@@ -107,19 +133,40 @@ def build_config(job: dict[str, Any], run_dir: Path):
     if job["p_train"] > 0:
         missing["train"] = {"kind": "mcar", "p": job["p_train"]}
     raw: dict[str, Any] = {
-        "run": {"method": job["method"], "aggregation": job["aggregation"], "seed": job["seed"],
-                "transport": "inproc", "min_group": job.get("min_group", 2)},
-        "data": {"path": str(job["data"]), "id": "ID", "label": "Y", "task": "binary",
-                 "test_fraction": 0.2},
+        "run": {
+            "method": job["method"],
+            "aggregation": job["aggregation"],
+            "seed": job["seed"],
+            "transport": "inproc",
+            "min_group": job.get("min_group", 2),
+        },
+        "data": {
+            "path": str(job["data"]),
+            "id": "ID",
+            "label": "Y",
+            "task": "binary",
+            "test_fraction": 0.2,
+        },
         "active": {"columns": []},
-        "parties": {f"c{i + 1}": {"columns": [f"X{j}" for j in range(5 * i + 1, 5 * i + 6)]}
-                    for i in range(4)},
-        "train": {"epochs": job["epochs"], "batch_size": 128, "lr": hp["lr"],
-                  "optimizer": "adam", "weight_decay": hp["weight_decay"]},
+        "parties": {
+            f"c{i + 1}": {"columns": [f"X{j}" for j in range(5 * i + 1, 5 * i + 6)]}
+            for i in range(4)
+        },
+        "train": {
+            "epochs": job["epochs"],
+            "batch_size": 128,
+            "lr": hp["lr"],
+            "optimizer": "adam",
+            "weight_decay": hp["weight_decay"],
+        },
         "model": {"hidden": [10, 10], "width": 10, "head_hidden": []},
         "method": options,
-        "network": {"heartbeat_interval": 1.0, "peer_timeout": 60.0, "round_timeout": 600.0,
-                    "startup_timeout": 120.0},
+        "network": {
+            "heartbeat_interval": 1.0,
+            "peer_timeout": 60.0,
+            "round_timeout": 600.0,
+            "startup_timeout": 120.0,
+        },
     }
     if missing:
         raw["missing"] = missing
@@ -135,8 +182,13 @@ def run_direct(cfg, run_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     fed = DirectFederation(cfg, run_dir=run_dir)
     test = fed.run()
-    return {"test": test, "history": fed.history, "epoch_seconds": [],
-            "wall_seconds": time.perf_counter() - started, **fed.method.summary()}
+    return {
+        "test": test,
+        "history": fed.history,
+        "epoch_seconds": [],
+        "wall_seconds": time.perf_counter() - started,
+        **fed.method.summary(),
+    }
 
 
 def train_once(job: dict[str, Any]) -> dict[str, Any]:
@@ -162,14 +214,16 @@ def _train_once(job: dict[str, Any]) -> dict[str, Any]:
         else:
             code, metrics = run_federation(cfg, out=work / "run")
             if code != 0 or metrics is None:
-                logs = "\n".join(p.read_text()[-2000:]
-                                 for p in (work / "run" / "logs").glob("*.log"))
+                logs = "\n".join(
+                    p.read_text()[-2000:] for p in (work / "run" / "logs").glob("*.log")
+                )
                 raise RuntimeError(f"run {job['key']} exited with status {code}:\n{logs}")
         wall = time.perf_counter() - started
         extra = metrics.get("extra_tests") or {f"p_test={job['p_test']:g}": metrics["test"]}
         tested = [p for p in P_VALUES if f"p_test={p:g}" in extra]
-        entry = {k: job[k] for k in ("method", "aggregation", "p_train", "seed", "epochs",
-                                     "scaling")}
+        entry = {
+            k: job[k] for k in ("method", "aggregation", "p_train", "seed", "epochs", "scaling")
+        }
         entry["min_group"] = job.get("min_group", 2)
         entry["families"] = bool(job.get("families"))
         entry["transport"] = job.get("transport", "inproc")
@@ -214,9 +268,17 @@ def _stats(values: Sequence[float]) -> tuple[float, float]:
     return float(np.mean(values)), float(np.std(values))  # population std, as the paper
 
 
-def select(results: dict[str, Any], *, method: str, p_train: float, aggregation: str = "plain",
-           scaling: str, epochs: int | None, seeds: Iterable[int],
-           min_group: int = 2) -> list[dict[str, Any]]:
+def select(
+    results: dict[str, Any],
+    *,
+    method: str,
+    p_train: float,
+    aggregation: str = "plain",
+    scaling: str,
+    epochs: int | None,
+    seeds: Iterable[int],
+    min_group: int = 2,
+) -> list[dict[str, Any]]:
     """The entries of (method, p_train) over `seeds` at the paper's epochs (or `epochs`)."""
     want = epochs or hyperparameters(method, p_train)["epochs"]
     out = []
@@ -231,8 +293,15 @@ def select(results: dict[str, Any], *, method: str, p_train: float, aggregation:
 # report
 
 
-def report(results: dict[str, Any], *, out_dir: Path, stem: str, methods: Sequence[str],
-           seeds: Sequence[int], epochs: int | None) -> str:
+def report(
+    results: dict[str, Any],
+    *,
+    out_dir: Path,
+    stem: str,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    epochs: int | None,
+) -> str:
     """STEM.md: a table per feature scaling found in the results (ours beside the paper's), the
     checks, the mask-vs-plain comparison and the timings; STEM_<scaling>.png per table."""
     scalings = [s for s in SCALING_TEXT if any(e["scaling"] == s for e in results["runs"].values())]
@@ -242,8 +311,11 @@ def report(results: dict[str, Any], *, out_dir: Path, stem: str, methods: Sequen
         "Ours: mean ± std over the seeds present (population std, as the paper; n shown when "
         "fewer than 5), then [the paper's mean]. Each (method, p_train, seed) is trained once "
         "and tested at every p_test; columns are p_train/p_test. `plain` aggregation. "
-        + (f"**Reduced to {epochs} epochs** (the paper's: 50-125)." if epochs else
-           "The paper's epochs (LASER 100, 125 at p_train 0.5; Ensemble 50; others 75)."),
+        + (
+            f"**Reduced to {epochs} epochs** (the paper's: 50-125)."
+            if epochs
+            else "The paper's epochs (LASER 100, 125 at p_train 0.5; Ensemble 50; others 75)."
+        ),
     ]
     for scaling in scalings:
         plot: dict[str, dict[tuple[float, float], tuple[float, float, int]]] = {}
@@ -252,8 +324,14 @@ def report(results: dict[str, Any], *, out_dir: Path, stem: str, methods: Sequen
         for method in methods:
             cells = []
             for p_train, p_test in CELLS:
-                runs = select(results, method=method, p_train=p_train, scaling=scaling,
-                              epochs=epochs, seeds=seeds)
+                runs = select(
+                    results,
+                    method=method,
+                    p_train=p_train,
+                    scaling=scaling,
+                    epochs=epochs,
+                    seeds=seeds,
+                )
                 transports |= {r.get("transport", "inproc") for r in runs}
                 paper = PAPER[method][(p_train, p_test)]
                 if runs:
@@ -265,10 +343,17 @@ def report(results: dict[str, Any], *, out_dir: Path, stem: str, methods: Sequen
                     cells.append(f"– [{paper[0]:.1f}]")
             rows.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
         lines += [
-            "", f"## Features: {SCALING_TEXT[scaling]} (`--scaling {scaling}`)", "",
-            f"Runs through: {', '.join(sorted(transports)) or '-'} ({TRANSPORT_TEXT}).", "",
+            "",
+            f"## Features: {SCALING_TEXT[scaling]} (`--scaling {scaling}`)",
+            "",
+            f"Runs through: {', '.join(sorted(transports)) or '-'} ({TRANSPORT_TEXT}).",
+            "",
             "| Method | " + " | ".join(f"{a:g}/{b:g}" for a, b in CELLS) + " |",
-            "|---|" + "---|" * len(CELLS), *rows, "", *checks(plot), "",
+            "|---|" + "---|" * len(CELLS),
+            *rows,
+            "",
+            *checks(plot),
+            "",
             *mask_section(results, scaling=scaling, epochs=epochs),
         ]
         if plot:
@@ -290,38 +375,50 @@ def checks(plot: dict[str, dict[tuple[float, float], tuple[float, float, int]]])
             mean, _, n = laser[cell]
             paper = PAPER["laser"][cell][0]
             ok = abs(mean - paper) <= 2.0
-            out.append(f"- LASER-VFL at {cell[0]:g}/{cell[1]:g}: {mean:.1f} vs paper {paper:.1f} "
-                       f"(diff {mean - paper:+.1f}, n={n}): {'within' if ok else 'NOT within'} "
-                       "2.0 points")
+            out.append(
+                f"- LASER-VFL at {cell[0]:g}/{cell[1]:g}: {mean:.1f} vs paper {paper:.1f} "
+                f"(diff {mean - paper:+.1f}, n={n}): {'within' if ok else 'NOT within'} "
+                "2.0 points"
+            )
     for other in ("standard-vfl", "local"):
         cell = (0.5, 0.5)
         if cell in laser and cell in plot.get(other, {}):
             a, b = laser[cell][0], plot[other][cell][0]
-            out.append(f"- LASER-VFL {'>=' if a >= b else '<'} {LABELS[other]} at 0.5/0.5: "
-                       f"{a:.1f} vs {b:.1f}")
+            out.append(
+                f"- LASER-VFL {'>=' if a >= b else '<'} {LABELS[other]} at 0.5/0.5: "
+                f"{a:.1f} vs {b:.1f}"
+            )
     return out
 
 
 def mask_section(results: dict[str, Any], *, scaling: str, epochs: int | None) -> list[str]:
-    out = ["Secure aggregation vs plain (LASER-VFL, 0.5/0.5, same seed; secure runs through "
-           "inproc):", ""]
+    out = [
+        "Secure aggregation vs plain (LASER-VFL, 0.5/0.5, same seed; secure runs through inproc):",
+        "",
+    ]
     rows = []
-    for entry in sorted(results["runs"].values(), key=lambda e: (e["seed"], e["aggregation"],
-                                                                  -e.get("min_group", 2))):
+    for entry in sorted(
+        results["runs"].values(),
+        key=lambda e: (e["seed"], e["aggregation"], -e.get("min_group", 2)),
+    ):
         if entry["method"] != "laser" or entry["p_train"] != 0.5 or entry["scaling"] != scaling:
             continue
         if entry["aggregation"] == "plain" and not entry.get("families"):
             continue
         if epochs and entry["epochs"] != epochs:
             continue
-        twin = results["runs"].get(run_key("laser", "plain", 0.5, entry["seed"], entry["epochs"],
-                                           scaling))
+        twin = results["runs"].get(
+            run_key("laser", "plain", 0.5, entry["seed"], entry["epochs"], scaling)
+        )
         if twin is not None and "0.5" in entry["f1"]:
             rows.append((entry, twin))
     if not rows:
         return out + ["(not run yet: `--mask-compare`)"]
-    out += ["| seed | run | training | test rows given a random class | F1 plain | F1 run | "
-            "diff | loss terms left out (all epochs) |", "|---|" * 8]
+    out += [
+        "| seed | run | training | test rows given a random class | F1 plain | F1 run | "
+        "diff | loss terms left out (all epochs) |",
+        "|---|" * 8,
+    ]
     for entry, twin in rows:
         if entry["aggregation"] == "plain":
             run, training = "plain, `families = true`", "fixed families (as secure modes)"
@@ -331,18 +428,22 @@ def mask_section(results: dict[str, Any], *, scaling: str, epochs: int | None) -
             run = f"{entry['aggregation']}, min_group = {entry.get('min_group', 2)}"
             training = "fixed families"
         f_plain, f_run = twin["f1"]["0.5"], entry["f1"]["0.5"]
-        out.append(f"| {entry['seed']} | {run} | {training} | {entry['n_fallback']['0.5']} of "
-                   f"{entry['n_eval']['0.5']} | {f_plain:.1f} | {f_run:.1f} | "
-                   f"{f_run - f_plain:+.1f} | {entry.get('skipped_tasks_total')} |")
+        out.append(
+            f"| {entry['seed']} | {run} | {training} | {entry['n_fallback']['0.5']} of "
+            f"{entry['n_eval']['0.5']} | {f_plain:.1f} | {f_run:.1f} | "
+            f"{f_run - f_plain:+.1f} | {entry.get('skipped_tasks_total')} |"
+        )
     return out
 
 
 def timing(results: dict[str, Any]) -> list[str]:
     per: dict[str, list[float]] = {}
     for entry in results["runs"].values():
-        per.setdefault(f"{entry['method']} {entry['aggregation']} p_train={entry['p_train']:g} "
-                       f"epochs={entry['epochs']} via {entry.get('transport', 'inproc')}",
-                       []).append(entry["wall_seconds"])
+        per.setdefault(
+            f"{entry['method']} {entry['aggregation']} p_train={entry['p_train']:g} "
+            f"epochs={entry['epochs']} via {entry.get('transport', 'inproc')}",
+            [],
+        ).append(entry["wall_seconds"])
     out = ["## Time per run (wall seconds of one process; 2 shared cores)", ""]
     for name, secs in sorted(per.items()):
         out.append(f"- {name}: {sum(secs) / len(secs):.0f} s (n={len(secs)})")
@@ -361,19 +462,31 @@ def draw(plot, path: Path, *, title: str = "") -> None:
         for method, cells in plot.items():
             xs = [p for p in P_VALUES if (p_train, p) in cells]
             if xs:
-                ax.errorbar(xs, [cells[(p_train, p)][0] for p in xs],
-                            yerr=[cells[(p_train, p)][1] for p in xs], marker="o",
-                            color=colors[method], label=f"{LABELS[method]} (ours)")
-            ax.plot(P_VALUES, [PAPER[method][(p_train, p)][0] for p in P_VALUES], ls="--",
-                    color=colors[method], alpha=0.6, label=f"{LABELS[method]} (paper)")
+                ax.errorbar(
+                    xs,
+                    [cells[(p_train, p)][0] for p in xs],
+                    yerr=[cells[(p_train, p)][1] for p in xs],
+                    marker="o",
+                    color=colors[method],
+                    label=f"{LABELS[method]} (ours)",
+                )
+            ax.plot(
+                P_VALUES,
+                [PAPER[method][(p_train, p)][0] for p in P_VALUES],
+                ls="--",
+                color=colors[method],
+                alpha=0.6,
+                label=f"{LABELS[method]} (paper)",
+            )
         ax.set_title(f"p_train = {p_train:g}")
         ax.set_xlabel("p_test")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("F1 x 100 (Credit)")
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     if title:
-        fig.suptitle(f"Credit, F1 x 100: ours (solid, mean ± std) vs paper (dashed); {title}",
-                     fontsize=10)
+        fig.suptitle(
+            f"Credit, F1 x 100: ours (solid, mean ± std) vs paper (dashed); {title}", fontsize=10
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -388,32 +501,53 @@ def parse_cells(text: str) -> list[tuple[float, float]]:
         a, _, b = item.partition("/")
         cell = (float(a), float(b))
         if cell not in CELLS:
-            raise SystemExit(f"--cells: {item!r} is not one of the paper's cells "
-                             f"{[f'{x:g}/{y:g}' for x, y in CELLS]}")
+            raise SystemExit(
+                f"--cells: {item!r} is not one of the paper's cells "
+                f"{[f'{x:g}/{y:g}' for x, y in CELLS]}"
+            )
         cells.append(cell)
     return cells
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     ap.add_argument("--stem", default="laser_credit", help="file names: STEM.json/.md/.png")
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--cells", default=",".join(f"{a:g}/{b:g}" for a, b in CELLS),
-                    help="p_train/p_test cells; a p_train is trained once for all its p_tests")
-    ap.add_argument("--epochs", type=int, default=None,
-                    help="override every method's epochs (a partial run, reported as such)")
-    ap.add_argument("--scaling", choices=tuple(SCALING_TEXT), default="zscore",
-                    help="per-column scaling fitted on the training rows (the paper's "
-                    "preprocessing is unknown)")
-    ap.add_argument("--transport", choices=("inproc", "direct"), default="inproc",
-                    help="inproc: the real protocol, roles as threads; direct: the same stages "
-                    "without ZeroMQ (same numbers, faster)")
-    ap.add_argument("--mask-compare", action="store_true",
-                    help="also run LASER-VFL with mask aggregation at 0.5/0.5, first seed")
+    ap.add_argument(
+        "--cells",
+        default=",".join(f"{a:g}/{b:g}" for a, b in CELLS),
+        help="p_train/p_test cells; a p_train is trained once for all its p_tests",
+    )
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="override every method's epochs (a partial run, reported as such)",
+    )
+    ap.add_argument(
+        "--scaling",
+        choices=tuple(SCALING_TEXT),
+        default="zscore",
+        help="per-column scaling fitted on the training rows (the paper's "
+        "preprocessing is unknown)",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=("inproc", "direct"),
+        default="inproc",
+        help="inproc: the real protocol, roles as threads; direct: the same stages "
+        "without ZeroMQ (same numbers, faster)",
+    )
+    ap.add_argument(
+        "--mask-compare",
+        action="store_true",
+        help="also run LASER-VFL with mask aggregation at 0.5/0.5, first seed",
+    )
     ap.add_argument("--skip-sweep", action="store_true", help="only the mask comparison")
     ap.add_argument("--jobs", type=int, default=1, help="federations run in parallel")
     ap.add_argument("--workdir", default=None, help="where run directories are made")
@@ -431,18 +565,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     jobs: list[dict[str, Any]] = []
 
-    def add(method: str, aggregation: str, p_train: float, seed: int, min_group: int = 2,
-            p_test: float | None = None, families: bool = False) -> None:
+    def add(
+        method: str,
+        aggregation: str,
+        p_train: float,
+        seed: int,
+        min_group: int = 2,
+        p_test: float | None = None,
+        families: bool = False,
+    ) -> None:
         epochs = args.epochs or hyperparameters(method, p_train)["epochs"]
-        key = run_key(method, aggregation, p_train, seed, epochs, args.scaling, min_group,
-                      families)
+        key = run_key(method, aggregation, p_train, seed, epochs, args.scaling, min_group, families)
         if key not in results["runs"]:
-            jobs.append({"key": key, "method": method, "aggregation": aggregation,
-                         "p_train": p_train, "seed": seed, "epochs": epochs,
-                         "scaling": args.scaling, "data": str(args.data),
-                         "min_group": min_group, "workdir": args.workdir, "p_test": p_test,
-                         "families": families,
-                         "transport": args.transport})
+            jobs.append(
+                {
+                    "key": key,
+                    "method": method,
+                    "aggregation": aggregation,
+                    "p_train": p_train,
+                    "seed": seed,
+                    "epochs": epochs,
+                    "scaling": args.scaling,
+                    "data": str(args.data),
+                    "min_group": min_group,
+                    "workdir": args.workdir,
+                    "p_test": p_test,
+                    "families": families,
+                    "transport": args.transport,
+                }
+            )
 
     if not args.report_only:
         if not args.skip_sweep:
@@ -471,41 +622,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["runs"][job["key"]] = entry
                 save_results(path, results)
                 elapsed = time.perf_counter() - started
-                print(f"[{i}/{len(jobs)}] {job['key']}: F1 "
-                      + " ".join(f"{p}:{v:.1f}" for p, v in entry["f1"].items())
-                      + f"  ({entry['wall_seconds']:.0f} s; {elapsed / 60:.1f} min so far, "
-                      f"~{elapsed / i * (len(jobs) - i) / 60:.0f} min left)", flush=True)
-    text = report(results, out_dir=args.out, stem=args.stem, methods=methods, seeds=seeds,
-                  epochs=args.epochs)
+                print(
+                    f"[{i}/{len(jobs)}] {job['key']}: F1 "
+                    + " ".join(f"{p}:{v:.1f}" for p, v in entry["f1"].items())
+                    + f"  ({entry['wall_seconds']:.0f} s; {elapsed / 60:.1f} min so far, "
+                    f"~{elapsed / i * (len(jobs) - i) / 60:.0f} min left)",
+                    flush=True,
+                )
+    text = report(
+        results, out_dir=args.out, stem=args.stem, methods=methods, seeds=seeds, epochs=args.epochs
+    )
     print(text)
     print(projection(results, methods=methods, seeds=seeds, jobs=args.jobs))
     return 0
 
 
-def projection(results: dict[str, Any], *, methods: Sequence[str], seeds: Sequence[int],
-               jobs: int) -> str:
+def projection(
+    results: dict[str, Any], *, methods: Sequence[str], seeds: Sequence[int], jobs: int
+) -> str:
     """The full sweep's time on this machine, from the runs measured so far (seconds per epoch
     of each method, times the paper's epochs)."""
     per_epoch: dict[str, list[float]] = {}
     for entry in results["runs"].values():
         if entry["aggregation"] == "plain":
             per_epoch.setdefault(f"{entry['method']}|{entry['p_train']:g}", []).append(
-                entry["wall_seconds"] / entry["epochs"])
+                entry["wall_seconds"] / entry["epochs"]
+            )
     total, unknown = 0.0, []
     for method in methods:
         for p_train in P_VALUES:
             rates = per_epoch.get(f"{method}|{p_train:g}") or [
-                v for k, vs in per_epoch.items() if k.startswith(method + "|") for v in vs]
+                v for k, vs in per_epoch.items() if k.startswith(method + "|") for v in vs
+            ]
             if not rates:
                 unknown.append(method)
                 continue
-            total += (sum(rates) / len(rates)) * hyperparameters(method, p_train)["epochs"] * len(
-                seeds)
+            total += (
+                (sum(rates) / len(rates)) * hyperparameters(method, p_train)["epochs"] * len(seeds)
+            )
     note = f" (not measured yet: {sorted(set(unknown))})" if unknown else ""
     hours = total / 3600
-    return (f"projected full sweep ({len(methods)} methods x 3 p_train x {len(seeds)} seeds, "
-            f"paper epochs): {hours:.1f} h in one process, ~{hours / max(jobs, 1):.1f} h with "
-            f"--jobs {jobs}{note}")
+    return (
+        f"projected full sweep ({len(methods)} methods x 3 p_train x {len(seeds)} seeds, "
+        f"paper epochs): {hours:.1f} h in one process, ~{hours / max(jobs, 1):.1f} h with "
+        f"--jobs {jobs}{note}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,22 +28,37 @@ def register_missingness(kind: str, params: set[str]) -> Callable[[Generator], G
 
 
 @register_missingness("mcar", {"p"})
-def mcar(*, parties: Sequence[str], n_rows: int, rng: np.random.Generator, p: float,
-         **_: object) -> np.ndarray:
+def mcar(
+    *, parties: Sequence[str], n_rows: int, rng: np.random.Generator, p: float, **_: object
+) -> np.ndarray:
     """Every block missing independently with probability p."""
     return rng.random((n_rows, len(parties))) >= p
 
 
 @register_missingness("beta", {"a", "b"})
-def beta_rates(*, parties: Sequence[str], n_rows: int, rng: np.random.Generator, a: float,
-               b: float, **_: object) -> np.ndarray:
+def beta_rates(
+    *,
+    parties: Sequence[str],
+    n_rows: int,
+    rng: np.random.Generator,
+    a: float,
+    b: float,
+    **_: object,
+) -> np.ndarray:
     """Per-block missing rate p_k ~ Beta(a, b), then MCAR with p_k (LASER-VFL, App. E)."""
     rates = rng.beta(a, b, size=len(parties))
     return rng.random((n_rows, len(parties))) >= rates[None, :]
 
 
-def presence(spec: MissingSpec, *, parties: Sequence[str], n_rows: int, seed: int, split: str,
-             features: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+def presence(
+    spec: MissingSpec,
+    *,
+    parties: Sequence[str],
+    n_rows: int,
+    seed: int,
+    split: str,
+    features: Mapping[str, np.ndarray] | None = None,
+) -> np.ndarray:
     """`present[row, party]` for `n_rows` rows; all True when spec.kind == "none"."""
     if spec.kind == "none":
         return np.ones((n_rows, len(parties)), dtype=bool)

@@ -59,7 +59,7 @@ def _single_party_sums(method: str):
                 "[run] aggregation",
                 f"method {method!r} trains each party's model on its block alone, so every sum "
                 f"it needs is over one party, which {cfg.aggregation!r} refuses (a sum over one "
-                "party is that party's representation); use aggregation = \"plain\", or set "
+                'party is that party\'s representation); use aggregation = "plain", or set '
                 "[run] min_group = 1 to accept unprotected sums explicitly",
             )
 
@@ -79,8 +79,15 @@ class LocalActive(BlockActive):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return any(self.sum_allowed((k,)) for k in present)
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         subsets = [(k,) for k in present if self.sum_allowed((k,))]
         if not subsets:
             return None, len(present)
@@ -93,8 +100,9 @@ class LocalActive(BlockActive):
         self.optimizer.step()
         return float(loss.detach()), len(present) - len(subsets)
 
-    def local_classes(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                      ) -> tuple[dict[str, np.ndarray], bool]:
+    def local_classes(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> tuple[dict[str, np.ndarray], bool]:
         allowed = [(k,) for k in present if self.sum_allowed((k,))]
         classes: dict[str, list[np.ndarray]] = {s[0]: [] for s in allowed}
         for chunk in _batched(ids) if allowed else []:
@@ -108,8 +116,9 @@ class LocalActive(BlockActive):
                 out[k] = self.random_classes(len(ids), (k,))
         return out, fallback
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
         classes, fallback = self.local_classes(ctx, ids, present)
         return Prediction(classes, fallback=fallback)
 
@@ -119,14 +128,16 @@ class EnsembleActive(LocalActive):
 
     method_name = "ensemble"
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
         classes, fallback = self.local_classes(ctx, ids, present)
         votes = np.zeros((len(ids), self.n_classes))
         for c in classes.values():
             votes[np.arange(len(ids)), c] += 1
-        rng = np.random.default_rng([self.config.seed, 0x707E,
-                                     subset_code(present, self.blocks), len(ids)])
+        rng = np.random.default_rng(
+            [self.config.seed, 0x707E, subset_code(present, self.blocks), len(ids)]
+        )
         top = votes == votes.max(axis=1, keepdims=True)
         noise = rng.random(votes.shape)
         joint = np.where(top, noise, -1.0).argmax(axis=1)
@@ -145,9 +156,16 @@ class StandardVFLActive(BlockActive):
 
     def build_heads(self) -> None:
         cfg = self.config
-        self.heads = nn.ModuleDict({"joint": mlp(
-            cfg.width, cfg.head_hidden, self.out_dim,
-            seed=derived_seed(cfg.seed, self.method_name, "head"))}).to(self.device)
+        self.heads = nn.ModuleDict(
+            {
+                "joint": mlp(
+                    cfg.width,
+                    cfg.head_hidden,
+                    self.out_dim,
+                    seed=derived_seed(cfg.seed, self.method_name, "head"),
+                )
+            }
+        ).to(self.device)
 
     def complete(self, present: tuple[str, ...]) -> bool:
         return len(present) == len(self.blocks)
@@ -155,8 +173,15 @@ class StandardVFLActive(BlockActive):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return self.complete(present)
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         if not self.sum_allowed(present):
             return None, 1
         sums, leaves = self.forward_sums(ctx, ids, [present], train=True, epoch=epoch)
@@ -168,8 +193,9 @@ class StandardVFLActive(BlockActive):
         self.optimizer.step()
         return float(loss.detach()), 0
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
         if not self.complete(present) or not self.sum_allowed(present):
             return Prediction({"joint": self.random_classes(len(ids), present)}, fallback=True)
         parts = []
@@ -194,8 +220,9 @@ class CombinatorialParty(BlockParty):
 
     def model_names(self) -> list[str]:
         blocks = block_names(self.config)
-        return [f"rep_{subset_code(s, blocks)}" for s in _nonempty_subsets(blocks)
-                if self.name in s]
+        return [
+            f"rep_{subset_code(s, blocks)}" for s in _nonempty_subsets(blocks) if self.name in s
+        ]
 
 
 class CombinatorialActive(BlockActive):
@@ -205,16 +232,26 @@ class CombinatorialActive(BlockActive):
 
     def build_heads(self) -> None:
         cfg = self.config
-        self.heads = nn.ModuleDict({
-            str(subset_code(s, self.blocks)): mlp(
-                cfg.width, cfg.head_hidden, self.out_dim,
-                seed=derived_seed(cfg.seed, self.method_name, "head", subset_code(s, self.blocks)))
-            for s in _nonempty_subsets(self.blocks)
-        }).to(self.device)
+        self.heads = nn.ModuleDict(
+            {
+                str(subset_code(s, self.blocks)): mlp(
+                    cfg.width,
+                    cfg.head_hidden,
+                    self.out_dim,
+                    seed=derived_seed(
+                        cfg.seed, self.method_name, "head", subset_code(s, self.blocks)
+                    ),
+                )
+                for s in _nonempty_subsets(self.blocks)
+            }
+        ).to(self.device)
 
     def own_model_names(self) -> list[str]:
-        return [f"rep_{subset_code(s, self.blocks)}" for s in _nonempty_subsets(self.blocks)
-                if self.own_name in s]
+        return [
+            f"rep_{subset_code(s, self.blocks)}"
+            for s in _nonempty_subsets(self.blocks)
+            if self.own_name in s
+        ]
 
     def tensor_of(self, subset: tuple[str, ...]) -> str:
         return f"rep_{subset_code(subset, self.blocks)}"
@@ -225,24 +262,33 @@ class CombinatorialActive(BlockActive):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return any(self.sum_allowed(s) for s in _nonempty_subsets(present))
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         every = _nonempty_subsets(present)
         subsets = [s for s in every if self.sum_allowed(s)]
         if not subsets:
             return None, len(every)
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         y = self.labels_tensor(ids)
-        loss = sum(task_loss(self.config.task, self.head_of(s)(sums[s] / len(s)), y)
-                   for s in subsets)
+        loss = sum(
+            task_loss(self.config.task, self.head_of(s)(sums[s] / len(s)), y) for s in subsets
+        )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
         self.optimizer.step()
         return float(loss.detach()), len(every) - len(subsets)
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
         if not self.sum_allowed(present):
             return Prediction({"joint": self.random_classes(len(ids), present)}, fallback=True)
         parts = []
@@ -288,34 +334,51 @@ class PlugVFLActive(BlockActive):
 
     def build_heads(self) -> None:
         cfg = self.config
-        self.heads = nn.ModuleDict({"joint": mlp(
-            cfg.width, cfg.head_hidden, self.out_dim,
-            seed=derived_seed(cfg.seed, self.method_name, "head"))}).to(self.device)
+        self.heads = nn.ModuleDict(
+            {
+                "joint": mlp(
+                    cfg.width,
+                    cfg.head_hidden,
+                    self.out_dim,
+                    seed=derived_seed(cfg.seed, self.method_name, "head"),
+                )
+            }
+        ).to(self.device)
 
     def build_own_model(self, model: str) -> nn.Module:
         cfg = self.config
-        return _plug_model(len(self.table.columns), cfg,
-                           derived_seed(cfg.seed, self.method_name, model, cfg.active_name))
+        return _plug_model(
+            len(self.table.columns),
+            cfg,
+            derived_seed(cfg.seed, self.method_name, model, cfg.active_name),
+        )
 
     def trainable(self, present: tuple[str, ...]) -> bool:
         return self.anchor in present
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         kept = tuple(b for b in present if b == self.anchor or rng.random() >= self.p_drop)
         if not self.sum_allowed(kept):
             return None, 1
         sums, leaves = self.forward_sums(ctx, ids, [kept], train=True, epoch=epoch)
-        loss = task_loss(self.config.task, self.heads["joint"](sums[kept]),
-                         self.labels_tensor(ids))
+        loss = task_loss(self.config.task, self.heads["joint"](sums[kept]), self.labels_tensor(ids))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
         self.optimizer.step()
         return float(loss.detach()), 0
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction | None:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction | None:
         if self.anchor not in present:
             return None
         if not self.sum_allowed(present):
@@ -335,32 +398,58 @@ def _check_plug(cfg: RunConfig) -> None:
             "party-wise dropout sums the same rows over different groups of parties in different "
             "epochs, whose difference approximates one party's contribution; "
             f"{cfg.aggregation!r} with min_group = {cfg.min_group} must not allow that. Use "
-            "p_drop = 0 in secure modes")
+            "p_drop = 0 in secure modes",
+        )
     anchor = cfg.option("anchor")
     if anchor is not None and anchor not in block_names(cfg):
-        raise ConfigError("[method] anchor",
-                          f"{anchor!r} is not a block holder; choose one of "
-                          f"{list(block_names(cfg))}")
+        raise ConfigError(
+            "[method] anchor",
+            f"{anchor!r} is not a block holder; choose one of {list(block_names(cfg))}",
+        )
 
 
 for _spec in (
-    MethodSpec(name="local", active=LocalActive, party=BlockParty, tasks=CLASSIFICATION,
-               description="one model per party on its own block (needs single-party sums)",
-               extra_checks=(option_checks("local"), _single_party_sums("local"))),
-    MethodSpec(name="ensemble", active=EnsembleActive, party=BlockParty, tasks=CLASSIFICATION,
-               description="local models, majority vote of the present parties",
-               extra_checks=(option_checks("ensemble"), _single_party_sums("ensemble"))),
-    MethodSpec(name="standard-vfl", active=StandardVFLActive, party=BlockParty,
-               tasks=CLASSIFICATION,
-               description="split-NN on complete rows only; random class if a block is missing",
-               extra_checks=(option_checks("standard-vfl"),)),
-    MethodSpec(name="combinatorial", active=CombinatorialActive, party=CombinatorialParty,
-               tasks=CLASSIFICATION,
-               description="an independent model for every subset of parties",
-               extra_checks=(option_checks("combinatorial"),)),
-    MethodSpec(name="plugvfl", active=PlugVFLActive, party=PlugVFLParty, tasks=CLASSIFICATION,
-               description="concatenation (zeros for missing blocks), anchor party required",
-               extra_checks=(option_checks("plugvfl", extra_keys=("p_drop", "anchor"),
-                                           check=_check_plug),)),
+    MethodSpec(
+        name="local",
+        active=LocalActive,
+        party=BlockParty,
+        tasks=CLASSIFICATION,
+        description="one model per party on its own block (needs single-party sums)",
+        extra_checks=(option_checks("local"), _single_party_sums("local")),
+    ),
+    MethodSpec(
+        name="ensemble",
+        active=EnsembleActive,
+        party=BlockParty,
+        tasks=CLASSIFICATION,
+        description="local models, majority vote of the present parties",
+        extra_checks=(option_checks("ensemble"), _single_party_sums("ensemble")),
+    ),
+    MethodSpec(
+        name="standard-vfl",
+        active=StandardVFLActive,
+        party=BlockParty,
+        tasks=CLASSIFICATION,
+        description="split-NN on complete rows only; random class if a block is missing",
+        extra_checks=(option_checks("standard-vfl"),),
+    ),
+    MethodSpec(
+        name="combinatorial",
+        active=CombinatorialActive,
+        party=CombinatorialParty,
+        tasks=CLASSIFICATION,
+        description="an independent model for every subset of parties",
+        extra_checks=(option_checks("combinatorial"),),
+    ),
+    MethodSpec(
+        name="plugvfl",
+        active=PlugVFLActive,
+        party=PlugVFLParty,
+        tasks=CLASSIFICATION,
+        description="concatenation (zeros for missing blocks), anchor party required",
+        extra_checks=(
+            option_checks("plugvfl", extra_keys=("p_drop", "anchor"), check=_check_plug),
+        ),
+    ),
 ):
     register_method(_spec)

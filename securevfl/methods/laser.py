@@ -82,8 +82,11 @@ def sample_tasks(present: Sequence[str], rng: np.random.Generator) -> list[Task]
     for k in present:
         others = [b for b in present if b != k]
         for i in range(1, k_o + 1):
-            chosen = set(np.asarray(others)[rng.choice(len(others), size=i - 1, replace=False)]
-                         ) if i > 1 else set()
+            chosen = (
+                set(np.asarray(others)[rng.choice(len(others), size=i - 1, replace=False)])
+                if i > 1
+                else set()
+            )
             subset = tuple(b for b in present if b == k or b in chosen)
             tasks.append(Task(head=k, subset=subset, weight=float(weights[i - 1])))
     return tasks
@@ -98,8 +101,9 @@ def exact_tasks(present: Sequence[str]) -> list[Task]:
     return tasks
 
 
-def draw_family(passive: Sequence[str], min_group: int, rng: np.random.Generator
-                ) -> tuple[tuple[str, ...], ...]:
+def draw_family(
+    passive: Sequence[str], min_group: int, rng: np.random.Generator
+) -> tuple[tuple[str, ...], ...]:
     """A random laminar family of subsets of `passive` (in its order) whose members all have at
     least `min_group` parties: the whole set, and (with probability 1 - 1/g_max) a random
     partition of it into g groups of near-equal size, g uniform in 2..g_max = len // min_group.
@@ -116,8 +120,13 @@ def draw_family(passive: Sequence[str], min_group: int, rng: np.random.Generator
     return tuple(sorted(members, key=lambda m: (-len(m), [passive.index(b) for b in m])))
 
 
-def laser_objective(sums: Mapping[tuple[str, ...], torch.Tensor], tasks: Iterable[Task],
-                    heads: Mapping[str, nn.Module], y: torch.Tensor, task: str) -> torch.Tensor:
+def laser_objective(
+    sums: Mapping[tuple[str, ...], torch.Tensor],
+    tasks: Iterable[Task],
+    heads: Mapping[str, nn.Module],
+    y: torch.Tensor,
+    task: str,
+) -> torch.Tensor:
     """``sum_t weight_t * loss(g_head(S_subset / |subset|), y)`` with `sums` the representation
     sums of the subsets (each loss is a batch mean)."""
     total = torch.zeros((), device=y.device)
@@ -129,8 +138,14 @@ def laser_objective(sums: Mapping[tuple[str, ...], torch.Tensor], tasks: Iterabl
 # --------------------------------------------------------------------------------------------
 # Options ([method] table) shared by LASER and the baselines
 
-COMMON_OPTIONS = ("balanced", "lr_schedule", "lr_min_ratio", "momentum", "eval_test_missing",
-                  "scaling")
+COMMON_OPTIONS = (
+    "balanced",
+    "lr_schedule",
+    "lr_min_ratio",
+    "momentum",
+    "eval_test_missing",
+    "scaling",
+)
 
 
 def _opt_bool(cfg: RunConfig, key: str) -> None:
@@ -143,16 +158,20 @@ def _opt_number(cfg: RunConfig, key: str, lo: float, hi: float, *, hi_open: bool
     v = cfg.option(key)
     if v is None:
         return
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and lo <= v and (
-        v < hi if hi_open else v <= hi)
+    ok = (
+        isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and lo <= v
+        and (v < hi if hi_open else v <= hi)
+    )
     if not ok:
         bound = f"< {hi}" if hi_open else f"<= {hi}"
         raise ConfigError(f"[method] {key}", f"must be a number >= {lo} and {bound}, got {v!r}")
 
 
-def option_checks(method: str, *, extra_keys: Sequence[str] = (),
-                  check: Callable[[RunConfig], None] | None = None
-                  ) -> Callable[[RunConfig], None]:
+def option_checks(
+    method: str, *, extra_keys: Sequence[str] = (), check: Callable[[RunConfig], None] | None = None
+) -> Callable[[RunConfig], None]:
     """A config check for `method`'s `[method]` options: the common ones plus `extra_keys`
     (validated by `check`); refuses unknown keys and bad values."""
 
@@ -160,24 +179,31 @@ def option_checks(method: str, *, extra_keys: Sequence[str] = (),
         known = set(COMMON_OPTIONS) | set(extra_keys)
         for key, _ in cfg.method_options:
             if key not in known:
-                raise ConfigError(f"[method] {key}",
-                                  f"unknown option for method {method!r}; known: {sorted(known)}")
+                raise ConfigError(
+                    f"[method] {key}",
+                    f"unknown option for method {method!r}; known: {sorted(known)}",
+                )
         _opt_bool(cfg, "balanced")
         if scaling_of(cfg) not in SCALINGS:
-            raise ConfigError("[method] scaling", f"unknown value {scaling_of(cfg)!r}; choose "
-                              f"one of {', '.join(SCALINGS)}")
+            raise ConfigError(
+                "[method] scaling",
+                f"unknown value {scaling_of(cfg)!r}; choose one of {', '.join(SCALINGS)}",
+            )
         sched = cfg.option("lr_schedule", "constant")
         if sched not in ("constant", "cosine"):
-            raise ConfigError("[method] lr_schedule",
-                              f"unknown value {sched!r}; choose constant or cosine")
+            raise ConfigError(
+                "[method] lr_schedule", f"unknown value {sched!r}; choose constant or cosine"
+            )
         _opt_number(cfg, "lr_min_ratio", 0.0, 1.0)
         _opt_number(cfg, "momentum", 0.0, 1.0, hi_open=True)
         rates = cfg.option("eval_test_missing", [])
         if not isinstance(rates, list) or not all(
-                isinstance(r, int | float) and not isinstance(r, bool) and 0 <= r < 1
-                for r in rates):
-            raise ConfigError("[method] eval_test_missing",
-                              f"must be a list of missing rates in [0, 1), got {rates!r}")
+            isinstance(r, int | float) and not isinstance(r, bool) and 0 <= r < 1 for r in rates
+        ):
+            raise ConfigError(
+                "[method] eval_test_missing",
+                f"must be a list of missing rates in [0, 1), got {rates!r}",
+            )
         if rates and differencing_matters(cfg):
             raise ConfigError(
                 "[method] eval_test_missing",
@@ -185,7 +211,8 @@ def option_checks(method: str, *, extra_keys: Sequence[str] = (),
                 f"different groups of parties, and the difference of two such sums is a sum over "
                 f"fewer parties (one party's representation); {cfg.aggregation!r} with "
                 f"min_group = {cfg.min_group} must not allow that. Use it with "
-                "aggregation = \"plain\" (benchmarks), or set [missing] test instead")
+                'aggregation = "plain" (benchmarks), or set [missing] test instead',
+            )
         if check is not None:
             check(cfg)
 
@@ -210,8 +237,12 @@ def block_optimizer(params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.opt
     """Adam, or SGD with `[method] momentum` (default 0.9); `[train]` lr and weight decay."""
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=float(cfg.option("momentum", 0.9)),
-                           weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(
+        params,
+        lr=cfg.lr,
+        momentum=float(cfg.option("momentum", 0.9)),
+        weight_decay=cfg.weight_decay,
+    )
 
 
 SCALINGS = ("zscore", "minmax", "none")
@@ -258,9 +289,16 @@ def pattern_codes(present: np.ndarray) -> np.ndarray:
     return (present.astype(np.int64) << np.arange(present.shape[1])).sum(axis=1)
 
 
-def pattern_batches(ids: np.ndarray, present: np.ndarray, *, batch_size: int, seed: int,
-                    epoch: int, labels: np.ndarray | None = None,
-                    keys: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def pattern_batches(
+    ids: np.ndarray,
+    present: np.ndarray,
+    *,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    labels: np.ndarray | None = None,
+    keys: np.ndarray | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """The epoch's batches as (ids, present-blocks row): every row of a batch has the same present
     blocks (and the same `keys` value, if given). Rows are shuffled, bucketed by pattern, cut into
     batches, and the batch order is shuffled; all reproducible from (seed, epoch). With `labels`,
@@ -306,24 +344,29 @@ class BlockParty(PartyMethod):
 
     def build_model(self, model: str) -> nn.Module:
         cfg = self.config
-        return mlp(len(self.table.columns), cfg.hidden, cfg.width,
-                   seed=derived_seed(cfg.seed, self.method_name, model, self.name))
+        return mlp(
+            len(self.table.columns),
+            cfg.hidden,
+            cfg.width,
+            seed=derived_seed(cfg.seed, self.method_name, model, self.name),
+        )
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = np.asarray(inputs["train_ids"])
-        self.scaler = fit_scaler(self.table.rows(train_ids[self.table.has(train_ids)]),
-                                 self.config)
+        self.scaler = fit_scaler(self.table.rows(train_ids[self.table.has(train_ids)]), self.config)
         self._scaled = self.scaler.transform(self.table.values)
-        self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}
-                                    ).to(self.device)
+        self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}).to(
+            self.device
+        )
         self.optimizer = block_optimizer(self.models.parameters(), self.config)
         self._pending: tuple[np.ndarray, dict[str, torch.Tensor]] | None = None
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
 
-    def handle(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any],
-               inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def handle(
+        self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         if op == "forward":
             wanted = dict(args.get("models") or {}).get(self.name, self.model_names())
             unknown = [m for m in wanted if m not in self.models]
@@ -352,8 +395,10 @@ class BlockParty(PartyMethod):
                     raise ValueError(f"gradient for {m!r}, which the last forward did not compute")
                 grad = torch.tensor(np.asarray(g, dtype=np.float32), device=self.device)
                 if grad.shape != outs[m].shape:
-                    raise ValueError(f"gradient shape {tuple(grad.shape)} != output "
-                                     f"{tuple(outs[m].shape)} of {m!r}")
+                    raise ValueError(
+                        f"gradient shape {tuple(grad.shape)} != output "
+                        f"{tuple(outs[m].shape)} of {m!r}"
+                    )
                 tensors.append(outs[m])
                 grads.append(grad)
             self.optimizer.zero_grad(set_to_none=True)
@@ -365,8 +410,11 @@ class BlockParty(PartyMethod):
         raise UnknownOperation(self.method_name, op)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"models": self.models.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict()}
+        return {
+            "models": self.models.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.models.load_state_dict(state["models"])
@@ -408,8 +456,9 @@ class BlockActive(ActiveMethod):
         self.own_scaler = Standardizer()
         self._own_scaled: np.ndarray | None = None
         if self.own_name is not None:
-            self.own = nn.ModuleDict({m: self.build_own_model(m) for m in self.own_model_names()}
-                                     ).to(self.device)
+            self.own = nn.ModuleDict(
+                {m: self.build_own_model(m) for m in self.own_model_names()}
+            ).to(self.device)
         self.build_heads()
         params = list(self.heads.parameters())
         if self.own is not None:
@@ -422,19 +471,29 @@ class BlockActive(ActiveMethod):
 
     def build_heads(self) -> None:
         cfg = self.config
-        self.heads = nn.ModuleDict({
-            k: mlp(cfg.width, cfg.head_hidden, self.out_dim,
-                   seed=derived_seed(cfg.seed, self.method_name, "head", k))
-            for k in self.blocks
-        }).to(self.device)
+        self.heads = nn.ModuleDict(
+            {
+                k: mlp(
+                    cfg.width,
+                    cfg.head_hidden,
+                    self.out_dim,
+                    seed=derived_seed(cfg.seed, self.method_name, "head", k),
+                )
+                for k in self.blocks
+            }
+        ).to(self.device)
 
     def own_model_names(self) -> list[str]:
         return ["rep"]
 
     def build_own_model(self, model: str) -> nn.Module:
         cfg = self.config
-        return mlp(len(self.table.columns), cfg.hidden, cfg.width,
-                   seed=derived_seed(cfg.seed, self.method_name, model, cfg.active_name))
+        return mlp(
+            len(self.table.columns),
+            cfg.hidden,
+            cfg.width,
+            seed=derived_seed(cfg.seed, self.method_name, model, cfg.active_name),
+        )
 
     def tensor_of(self, subset: tuple[str, ...]) -> str:
         """The party model whose outputs are summed over `subset`."""
@@ -447,15 +506,23 @@ class BlockActive(ActiveMethod):
         """Rows with different keys never share a batch (besides differing patterns)."""
         return None
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         """One update on a batch whose rows all have blocks `present`; returns (loss or None if
         nothing was trained, number of loss terms skipped because their sum was refused). May
         raise `PartyDropped` before anything is updated."""
         raise NotImplementedError
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction | None:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction | None:
         """Predictions for rows that all have blocks `present`; None leaves them out of the
         metrics."""
         raise NotImplementedError
@@ -473,10 +540,15 @@ class BlockActive(ActiveMethod):
             self._own_scaled = self.own_scaler.transform(self.table.values)
         return torch.from_numpy(self._own_scaled[self.table.positions(ids)]).to(self.device)
 
-    def forward_sums(self, ctx: ActiveContext, ids: np.ndarray,
-                     subsets: Sequence[tuple[str, ...]], *, train: bool, epoch: int = 0
-                     ) -> tuple[dict[tuple[str, ...], torch.Tensor],
-                                dict[tuple[str, ...], torch.Tensor]]:
+    def forward_sums(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        subsets: Sequence[tuple[str, ...]],
+        *,
+        train: bool,
+        epoch: int = 0,
+    ) -> tuple[dict[tuple[str, ...], torch.Tensor], dict[tuple[str, ...], torch.Tensor]]:
         """The representation sum of each subset (its passive members' through one call with one
         secure sum per subset, plus the active party's own block). Returns (sums, leaves): the
         leaves are the decoded secure sums, whose gradients go back to the parties."""
@@ -490,9 +562,16 @@ class BlockActive(ActiveMethod):
                 for p in passive:
                     if tensor not in models.setdefault(p, []):
                         models[p].append(tensor)
-        got = ctx.call("forward", ids=ids, args={"train": train, "epoch": epoch,
-                                                 "models": models},
-                       sums=specs) if specs else {}
+        got = (
+            ctx.call(
+                "forward",
+                ids=ids,
+                args={"train": train, "epoch": epoch, "models": models},
+                sums=specs,
+            )
+            if specs
+            else {}
+        )
         own_x = None
         sums: dict[tuple[str, ...], torch.Tensor] = {}
         leaves: dict[tuple[str, ...], torch.Tensor] = {}
@@ -500,8 +579,11 @@ class BlockActive(ActiveMethod):
         for i, sub in enumerate(subsets):
             total = None
             if f"S{i}" in got:
-                leaf = torch.tensor(np.asarray(got[f"S{i}"], dtype=np.float32),
-                                    device=self.device, requires_grad=train)
+                leaf = torch.tensor(
+                    np.asarray(got[f"S{i}"], dtype=np.float32),
+                    device=self.device,
+                    requires_grad=train,
+                )
                 leaves[sub] = leaf
                 total = leaf
             if self.own_name in sub:
@@ -515,8 +597,14 @@ class BlockActive(ActiveMethod):
             sums[sub] = total
         return sums, leaves
 
-    def send_gradients(self, ctx: ActiveContext, ids: np.ndarray,
-                       leaves: Mapping[tuple[str, ...], torch.Tensor], *, epoch: int) -> None:
+    def send_gradients(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        leaves: Mapping[tuple[str, ...], torch.Tensor],
+        *,
+        epoch: int,
+    ) -> None:
         """Send each passive party dL/d(its outputs): the sum over the subsets it contributed to
         of dL/dS_subset. Parties whose gradients are identical share one call; every distinct
         gradient passes through `release_gradients` together (per-sample, as DP clips rows)."""
@@ -542,8 +630,10 @@ class BlockActive(ActiveMethod):
                 flat[f"{'+'.join(members)}/{tensor}"] = (g * n).cpu().numpy()
         released = ctx.release_gradients(flat, epoch=epoch, ids=ids)
         for members in groups.values():
-            inputs = {t: np.asarray(released[f"{'+'.join(members)}/{t}"], dtype=np.float32) / n
-                      for t in per_party[members[0]]}
+            inputs = {
+                t: np.asarray(released[f"{'+'.join(members)}/{t}"], dtype=np.float32) / n
+                for t in per_party[members[0]]
+            }
             alive = [p for p in members if p not in self.dead]
             while alive:
                 try:
@@ -558,8 +648,10 @@ class BlockActive(ActiveMethod):
     def lose(self, ctx: ActiveContext, party: str) -> None:
         if party not in self.dead:
             self.dead.append(party)
-            ctx.log(f"{self.method_name}: party {party!r} was lost; its block is treated as "
-                    "missing from now on (training and test)")
+            ctx.log(
+                f"{self.method_name}: party {party!r} was lost; its block is treated as "
+                "missing from now on (training and test)"
+            )
 
     def sync_dead(self, ctx: ActiveContext) -> None:
         for p in self.config.party_names:
@@ -577,8 +669,9 @@ class BlockActive(ActiveMethod):
         return pres
 
     def present_of(self, pattern: np.ndarray) -> tuple[str, ...]:
-        return tuple(b for b, on in zip(self.blocks, pattern, strict=True)
-                     if on and b not in self.dead)
+        return tuple(
+            b for b, on in zip(self.blocks, pattern, strict=True) if on and b not in self.dead
+        )
 
     # --- training loop
 
@@ -601,20 +694,27 @@ class BlockActive(ActiveMethod):
             if self.own is not None:
                 self.own.train()
             rng = np.random.default_rng([cfg.seed, epoch, 0x7A5C])
-            stats = {"loss": 0.0, "rows": 0, "steps": 0, "skipped_tasks": 0,
-                     "skipped_batches": 0}
+            stats = {"loss": 0.0, "rows": 0, "steps": 0, "skipped_tasks": 0, "skipped_batches": 0}
             pres = self.presence_matrix(ctx, train_ids)
-            batches = pattern_batches(train_ids, pres, batch_size=cfg.batch_size, seed=cfg.seed,
-                                      epoch=epoch, labels=labels,
-                                      keys=self.batch_keys(train_ids, pres))
+            batches = pattern_batches(
+                train_ids,
+                pres,
+                batch_size=cfg.batch_size,
+                seed=cfg.seed,
+                epoch=epoch,
+                labels=labels,
+                keys=self.batch_keys(train_ids, pres),
+            )
             for ids, pattern in batches:
                 self.train_batch(ctx, ids, pattern, epoch=epoch, rng=rng, stats=stats)
             self.skipped_tasks_total += stats["skipped_tasks"]
             if stats["skipped_tasks"] or stats["skipped_batches"]:
-                ctx.log(f"{self.method_name} epoch {epoch + 1}: skipped {stats['skipped_tasks']} "
-                        f"loss terms whose secure sum would have fewer than min_group = "
-                        f"{cfg.min_group} contributors, and {stats['skipped_batches']} batches "
-                        "with nothing to train")
+                ctx.log(
+                    f"{self.method_name} epoch {epoch + 1}: skipped {stats['skipped_tasks']} "
+                    f"loss terms whose secure sum would have fewer than min_group = "
+                    f"{cfg.min_group} contributors, and {stats['skipped_batches']} batches "
+                    "with nothing to train"
+                )
             elapsed = time.perf_counter() - started
             epoch_stats = {
                 "loss": stats["loss"] / max(stats["rows"], 1),
@@ -630,8 +730,16 @@ class BlockActive(ActiveMethod):
                 except PartyDropped as exc:
                     self.lose(ctx, exc.party)
 
-    def train_batch(self, ctx: ActiveContext, ids: np.ndarray, pattern: np.ndarray, *,
-                    epoch: int, rng: np.random.Generator, stats: dict[str, Any]) -> None:
+    def train_batch(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        pattern: np.ndarray,
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+        stats: dict[str, Any],
+    ) -> None:
         """One batch, redone with the survivors if a party drops during its forward."""
         while True:
             self.sync_dead(ctx)
@@ -665,8 +773,9 @@ class BlockActive(ActiveMethod):
         return out.argmax(axis=1).astype(np.int64)
 
     def random_classes(self, n: int, present: tuple[str, ...]) -> np.ndarray:
-        rng = np.random.default_rng([self.config.seed, 0xFA11,
-                                     subset_code(present, self.blocks), n])
+        rng = np.random.default_rng(
+            [self.config.seed, 0xFA11, subset_code(present, self.blocks), n]
+        )
         return rng.integers(0, self.n_classes, size=n)
 
     def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
@@ -685,17 +794,23 @@ class BlockActive(ActiveMethod):
         for rate in cfg.option("eval_test_missing", []):
             from securevfl.data.missing import presence
 
-            extra = presence(MissingSpec(kind="mcar", params=(("p", float(rate)),)),
-                             parties=cfg.party_names, n_rows=len(ids), seed=cfg.seed,
-                             split="test")
+            extra = presence(
+                MissingSpec(kind="mcar", params=(("p", float(rate)),)),
+                parties=cfg.party_names,
+                n_rows=len(ids),
+                seed=cfg.seed,
+                split="test",
+            )
             if self.own_name is not None:
                 extra = np.concatenate([extra, np.ones((len(ids), 1), dtype=bool)], axis=1)
             self.extra_tests[f"p_test={float(rate):g}"] = self.evaluate_presence(
-                ctx, ids, pres & extra)
+                ctx, ids, pres & extra
+            )
         return metrics
 
-    def evaluate_presence(self, ctx: ActiveContext, ids: np.ndarray, pres: np.ndarray
-                          ) -> dict[str, Any]:
+    def evaluate_presence(
+        self, ctx: ActiveContext, ids: np.ndarray, pres: np.ndarray
+    ) -> dict[str, Any]:
         keep = pres.any(axis=1)
         ids, pres = ids[keep], pres[keep]
         y = self.table.label_rows(ids).astype(np.int64)
@@ -710,8 +825,9 @@ class BlockActive(ActiveMethod):
                     self.sync_dead(ctx)
                     present = self.present_of(pattern)
                     if not present:
-                        pred = Prediction({"joint": self.random_classes(len(rows), present)},
-                                          fallback=True)
+                        pred = Prediction(
+                            {"joint": self.random_classes(len(rows), present)}, fallback=True
+                        )
                         break
                     try:
                         pred = self.predict_rows(ctx, ids[rows], present)
@@ -726,8 +842,14 @@ class BlockActive(ActiveMethod):
                     preds.setdefault(name, []).append((rows, classes))
         return self.metrics_from(y, preds, n_fallback=n_fallback, n_excluded=n_excluded)
 
-    def metrics_from(self, y: np.ndarray, preds: Mapping[str, list[tuple[np.ndarray, np.ndarray]]],
-                     *, n_fallback: int, n_excluded: int) -> dict[str, Any]:
+    def metrics_from(
+        self,
+        y: np.ndarray,
+        preds: Mapping[str, list[tuple[np.ndarray, np.ndarray]]],
+        *,
+        n_fallback: int,
+        n_excluded: int,
+    ) -> dict[str, Any]:
         from sklearn.metrics import f1_score
 
         correct = np.zeros(len(y))
@@ -739,8 +861,9 @@ class BlockActive(ActiveMethod):
             classes = np.concatenate([c for _, c in parts])
             np.add.at(correct, rows, classes == y[rows])
             np.add.at(votes, rows, 1)
-            f1s[name] = float(f1_score(y[rows], classes, zero_division=0,
-                                       average="binary" if binary else "macro"))
+            f1s[name] = float(
+                f1_score(y[rows], classes, zero_division=0, average="binary" if binary else "macro")
+            )
         scored = votes > 0
         out: dict[str, Any] = {
             "accuracy": float(np.mean(correct[scored] / votes[scored])) if scored.any() else 0.0,
@@ -762,8 +885,12 @@ class BlockActive(ActiveMethod):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "dead": list(self.dead), "skipped_tasks_total": self.skipped_tasks_total}
+        state = {
+            "heads": self.heads.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "dead": list(self.dead),
+            "skipped_tasks_total": self.skipped_tasks_total,
+        }
         if self.own is not None:
             state["own"] = self.own.state_dict()
             state["own_scaler"] = self.own_scaler.state_dict()
@@ -803,8 +930,7 @@ class LaserActive(BlockActive):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.exact = bool(self.config.option("exact_objective", False))
-        self.use_families = bool(self.config.option("families",
-                                                    differencing_matters(self.config)))
+        self.use_families = bool(self.config.option("families", differencing_matters(self.config)))
         self.families: list[tuple[tuple[str, ...], ...]] = []
         self.family_of_row: dict[int, int] = {}
 
@@ -815,8 +941,11 @@ class LaserActive(BlockActive):
         keys = np.empty(len(ids), dtype=np.int64)
         for j, row in enumerate(ids.tolist()):
             if row not in self.family_of_row:
-                passive = tuple(b for b, on in zip(self.blocks, present[j], strict=True)
-                                if on and b != self.own_name)
+                passive = tuple(
+                    b
+                    for b, on in zip(self.blocks, present[j], strict=True)
+                    if on and b != self.own_name
+                )
                 rng = np.random.default_rng([self.config.seed, 0xFA3, row])
                 family = draw_family(passive, self.config.min_group, rng)
                 if family not in index:
@@ -838,8 +967,9 @@ class LaserActive(BlockActive):
             subsets += [(*m, self.own_name) for m in members] + [(self.own_name,)]
         return [Task(head=k, subset=sub, weight=1.0 / len(sub)) for sub in subsets for k in sub]
 
-    def tasks_for(self, ids: np.ndarray, present: tuple[str, ...], rng: np.random.Generator
-                  ) -> tuple[list[Task], int]:
+    def tasks_for(
+        self, ids: np.ndarray, present: tuple[str, ...], rng: np.random.Generator
+    ) -> tuple[list[Task], int]:
         """The batch's loss terms and how many terms of the paper's objective are left out."""
         if self.use_families:
             tasks = self.family_tasks(int(ids[0]), present)
@@ -848,23 +978,30 @@ class LaserActive(BlockActive):
         usable = [t for t in tasks if self.sum_allowed(t.subset)]
         return usable, len(tasks) - len(usable)
 
-    def train_step(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...], *,
-                   epoch: int, rng: np.random.Generator) -> tuple[float | None, int]:
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: tuple[str, ...],
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
         tasks, skipped = self.tasks_for(ids, present, rng)
         if not tasks:
             return None, skipped
         subsets = list(dict.fromkeys(t.subset for t in tasks))
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
-        loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids),
-                               self.config.task)
+        loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids), self.config.task)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
         self.optimizer.step()
         return float(loss.detach()), skipped
 
-    def predict_subset(self, ctx: ActiveContext, ids: np.ndarray, subset: Sequence[str]
-                       ) -> dict[str, torch.Tensor]:
+    def predict_subset(
+        self, ctx: ActiveContext, ids: np.ndarray, subset: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
         """Algorithm 2: every head k in `subset` predicts g_k(mean of the subset's
         representations) on rows `ids` (which must all hold every block of `subset`). Raises
         `securevfl.secure_sum.GroupTooSmall` (through the context) if the subset's sum is
@@ -884,8 +1021,9 @@ class LaserActive(BlockActive):
                     outs[k].append(self.heads[k](z))
         return {k: torch.cat(v) for k, v in outs.items()}
 
-    def predict_rows(self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
-                     ) -> Prediction:
+    def predict_rows(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
         if not self.sum_allowed(present):
             guess = self.random_classes(len(ids), present)
             return Prediction({k: guess for k in present}, fallback=True)
@@ -912,12 +1050,19 @@ def _check_laser(cfg: RunConfig) -> None:
             "[method] families",
             f"the paper's task sampling sums the same rows over subsets that differ by one "
             f"party, so {cfg.aggregation!r} with min_group = {cfg.min_group} needs the fixed "
-            "families; remove the option, or set [run] min_group = 1 to accept unprotected sums")
+            "families; remove the option, or set [run] min_group = 1 to accept unprotected sums",
+        )
 
 
-SPEC = register_method(MethodSpec(
-    name="laser", active=LaserActive, party=BlockParty, tasks=CLASSIFICATION,
-    description="LASER-VFL: a head per party over the mean of any subset of present parties",
-    extra_checks=(option_checks("laser", extra_keys=("exact_objective", "families"),
-                                check=_check_laser),),
-))
+SPEC = register_method(
+    MethodSpec(
+        name="laser",
+        active=LaserActive,
+        party=BlockParty,
+        tasks=CLASSIFICATION,
+        description="LASER-VFL: a head per party over the mean of any subset of present parties",
+        extra_checks=(
+            option_checks("laser", extra_keys=("exact_objective", "families"), check=_check_laser),
+        ),
+    )
+)

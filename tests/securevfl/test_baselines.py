@@ -16,8 +16,9 @@ def run(tmp_path, method, **kwargs):
     return fed, fed.run()
 
 
-@pytest.mark.parametrize("method", ["local", "ensemble", "standard-vfl", "combinatorial",
-                                    "plugvfl"])
+@pytest.mark.parametrize(
+    "method", ["local", "ensemble", "standard-vfl", "combinatorial", "plugvfl"]
+)
 def test_every_baseline_learns_the_synthetic_task(tmp_path, method):
     fed, metrics = run(tmp_path, method, p_train=0.1, epochs=4)
     assert metrics["accuracy"] > 0.62, metrics
@@ -38,8 +39,9 @@ def test_local_predicts_with_every_present_party(tmp_path):
 
 
 def test_standard_vfl_trains_on_complete_rows_and_guesses_otherwise(tmp_path):
-    fed, metrics = run(tmp_path, "standard-vfl", aggregation="mask", p_train=0.3, p_test=0.3,
-                       epochs=2)
+    fed, metrics = run(
+        tmp_path, "standard-vfl", aggregation="mask", p_train=0.3, p_test=0.3, epochs=2
+    )
     forwards = [c for c in fed.calls if c[0] == "forward" and c[2]]
     train_groups = {spec.group for _, _, specs, _ in forwards for spec in specs}
     assert train_groups == {tuple(sorted(fed.config.party_names))}
@@ -61,8 +63,9 @@ def test_ensemble_is_a_vote_of_the_local_models(tmp_path):
 
 
 def test_combinatorial_uses_the_model_of_the_exact_present_set(tmp_path):
-    fed, metrics = run(tmp_path, "combinatorial", aggregation="mask", p_train=0.3, p_test=0.5,
-                       epochs=1)
+    fed, metrics = run(
+        tmp_path, "combinatorial", aggregation="mask", p_train=0.3, p_test=0.5, epochs=1
+    )
     assert len(fed.method.heads) == 15
     assert len(fed.party_methods["p0"].models) == 8
     eval_specs = [c[2] for c in fed.calls if c[0] == "forward" and c[2] and len(c[2]) == 1]
@@ -75,8 +78,9 @@ def test_combinatorial_uses_the_model_of_the_exact_present_set(tmp_path):
 
 
 def test_plugvfl_leaves_out_rows_without_its_anchor(tmp_path):
-    fed, metrics = run(tmp_path, "plugvfl", p_train=0.3, p_test=0.3, epochs=1,
-                       options={"p_drop": 0.25})
+    fed, metrics = run(
+        tmp_path, "plugvfl", p_train=0.3, p_test=0.3, epochs=1, options={"p_drop": 0.25}
+    )
     has_anchor = fed.presence(fed.test_ids)[:, -1]
     assert metrics["n_excluded"] == int((~has_anchor).sum()) > 0
     assert metrics["n_eval"] == int(has_anchor.sum())

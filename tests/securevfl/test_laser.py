@@ -44,23 +44,34 @@ from securevfl.secure_sum import SumSession, backend, check_group
 # kit
 
 
-def block_csv(path: Path, *, n: int = 600, blocks: int = 4, cols: int = 2, seed: int = 0
-              ) -> list[list[str]]:
+def block_csv(
+    path: Path, *, n: int = 600, blocks: int = 4, cols: int = 2, seed: int = 0
+) -> list[list[str]]:
     """A binary task where every block carries part of the signal."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, blocks * cols))
     w = rng.normal(size=blocks * cols)
     y = (x @ w + 0.5 * rng.normal(size=n) > 0).astype(float)
     names = [f"X{i + 1}" for i in range(blocks * cols)]
-    write_csv(path, id_column="ID", ids=np.arange(1, n + 1), columns=names, values=x, label="Y",
-              labels=y)
+    write_csv(
+        path, id_column="ID", ids=np.arange(1, n + 1), columns=names, values=x, label="Y", labels=y
+    )
     return [names[b * cols : (b + 1) * cols] for b in range(blocks)]
 
 
-def block_config(directory: Path, *, method: str = "laser", aggregation: str = "plain",
-                 blocks: int = 4, p_train: float = 0.0, p_test: float = 0.0,
-                 epochs: int = 3, options: Mapping[str, Any] | None = None,
-                 n: int = 600, **sections: Mapping[str, Any]):
+def block_config(
+    directory: Path,
+    *,
+    method: str = "laser",
+    aggregation: str = "plain",
+    blocks: int = 4,
+    p_train: float = 0.0,
+    p_test: float = 0.0,
+    epochs: int = 3,
+    options: Mapping[str, Any] | None = None,
+    n: int = 600,
+    **sections: Mapping[str, Any],
+):
     groups = block_csv(directory / "data.csv", n=n, blocks=blocks)
     raw: dict[str, Any] = {
         "run": {"method": method, "aggregation": aggregation, "seed": 0},
@@ -99,17 +110,25 @@ class DirectFederation:
         self.active_table = load_active_table(paths[cfg.active_name], cfg)
         spec = method_spec(cfg.method)
         device = torch.device("cpu")
-        self.party_methods = {p: spec.party(name=p, table=self.tables[p], config=cfg,
-                                            device=device) for p in cfg.party_names}
+        self.party_methods = {
+            p: spec.party(name=p, table=self.tables[p], config=cfg, device=device)
+            for p in cfg.party_names
+        }
         self.method = spec.active(table=self.active_table, config=cfg, device=device)
         session = os.urandom(16)
         keys = {p: MaskingKeyPair.generate() for p in cfg.party_names}
         publics = {p: k.public for p, k in keys.items()}
 
         def sum_session(name: str, keypair=None) -> SumSession:
-            return SumSession(name=name, session=session, min_group=cfg.min_group,
-                              frac_bits=cfg.frac_bits, bound=cfg.bound, mask_keypair=keypair,
-                              mask_publics=publics)
+            return SumSession(
+                name=name,
+                session=session,
+                min_group=cfg.min_group,
+                frac_bits=cfg.frac_bits,
+                bound=cfg.bound,
+                mask_keypair=keypair,
+                mask_publics=publics,
+            )
 
         b = backend(cfg.aggregation)
         self.party_stages = {p: b.party(sum_session(p, keys[p])) for p in cfg.party_names}
@@ -125,11 +144,14 @@ class DirectFederation:
         self.history: list[dict[str, float]] = []
         self.calls: list[tuple[str, tuple[str, ...], tuple[SumSpec, ...], np.ndarray]] = []
         self.train_ids, self.test_ids = train_test_split(
-            self.active_table.ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
-            labels=self.active_table.labels, stratify=True)
+            self.active_table.ids,
+            test_fraction=cfg.test_fraction,
+            seed=cfg.seed,
+            labels=self.active_table.labels,
+            stratify=True,
+        )
         for m in self.party_methods.values():
-            m.setup(args={}, inputs={"train_ids": self.train_ids,
-                                     "all_ids": self.active_table.ids})
+            m.setup(args={}, inputs={"train_ids": self.train_ids, "all_ids": self.active_table.ids})
         held = self.presence(self.active_table.ids).any(axis=1)
         self.train_ids = self.train_ids[held[self.active_table.positions(self.train_ids)]]
         self.test_ids = self.test_ids[held[self.active_table.positions(self.test_ids)]]
@@ -142,15 +164,27 @@ class DirectFederation:
     def drop(self, party: str, *, at_round: int) -> None:
         self._drops[party] = at_round
 
-    def call(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any] | None = None,
-             inputs: Mapping[str, np.ndarray] | None = None, sums: Sequence[SumSpec] = (),
-             to: Sequence[str] | None = None, collect: Sequence[str] = ()
-             ) -> dict[str, np.ndarray]:
+    def call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
+    ) -> dict[str, np.ndarray]:
         if to is None:
             to = sorted({p for s in sums for p in s.group}) or list(self._parties)
         for spec in sums:
-            check_group(self.config.aggregation, spec.group, min_group=self.config.min_group,
-                        key=spec.key, what=f"method {self.config.method!r}, op {op!r}")
+            check_group(
+                self.config.aggregation,
+                spec.group,
+                min_group=self.config.min_group,
+                key=spec.key,
+                what=f"method {self.config.method!r}, op {op!r}",
+            )
         self.round += 1
         for p in to:
             assert p in self._parties, f"{op} sent to lost party {p}"
@@ -158,18 +192,25 @@ class DirectFederation:
                 self._parties.remove(p)
                 raise PartyDropped(p)
         self.calls.append((op, tuple(to), tuple(sums), np.array(ids)))
-        outs = {p: self.party_methods[p].handle(op, ids=np.asarray(ids), args=dict(args or {}),
-                                                inputs=dict(inputs or {})) for p in to}
+        outs = {
+            p: self.party_methods[p].handle(
+                op, ids=np.asarray(ids), args=dict(args or {}), inputs=dict(inputs or {})
+            )
+            for p in to
+        }
         result = {}
         for spec in sums:
             values = {p: np.asarray(outs[p][spec.tensor], dtype=np.float64) for p in spec.group}
-            protected = {p: self.party_stages[p].protect(v, round=self.round, group=spec.group,
-                                                         key=spec.key) for p, v in values.items()}
+            protected = {
+                p: self.party_stages[p].protect(v, round=self.round, group=spec.group, key=spec.key)
+                for p, v in values.items()
+            }
             self.seen.append((spec, {p: a[spec.key] for p, a in protected.items()}))
             combined = self.aggregator.combine(protected, group=spec.group, key=spec.key)
             shape = next(iter(values.values())).shape
-            result[spec.key] = self.active_stage.reveal(combined, group=spec.group, key=spec.key,
-                                                        shape=shape)
+            result[spec.key] = self.active_stage.reveal(
+                combined, group=spec.group, key=spec.key, shape=shape
+            )
             self.sums.append((spec, np.sum(list(values.values()), axis=0), result[spec.key]))
         return result
 
@@ -245,8 +286,9 @@ def test_monte_carlo_mean_of_sampled_loss_equals_exact_objective(k):
         per_task = {}
         for t in exact:
             unit = type(t)(head=t.head, subset=t.subset, weight=1.0)
-            per_task[(t.head, t.subset)] = float(laser_objective(sums([unit]), [unit], heads, y,
-                                                                 "binary"))
+            per_task[(t.head, t.subset)] = float(
+                laser_objective(sums([unit]), [unit], heads, y, "binary")
+            )
         rng = np.random.default_rng(1)
         draws = []
         for i in range(3000):
@@ -254,7 +296,8 @@ def test_monte_carlo_mean_of_sampled_loss_equals_exact_objective(k):
             value = sum(t.weight * per_task[(t.head, t.subset)] for t in tasks)
             if i < 5:
                 assert value == pytest.approx(
-                    float(laser_objective(sums(tasks), tasks, heads, y, "binary")), rel=1e-5)
+                    float(laser_objective(sums(tasks), tasks, heads, y, "binary")), rel=1e-5
+                )
             draws.append(value)
     mean, stderr = np.mean(draws), np.std(draws) / np.sqrt(len(draws))
     assert abs(mean - objective) < 4 * stderr + 1e-6 * objective, (mean, objective, stderr)
@@ -305,21 +348,23 @@ def test_pattern_codes_are_bitmasks():
 
 
 def test_cosine_schedule_goes_from_lr_to_the_floor(tmp_path):
-    cfg = block_config(tmp_path, epochs=10, options={"lr_schedule": "cosine",
-                                                     "lr_min_ratio": 0.2})
+    cfg = block_config(tmp_path, epochs=10, options={"lr_schedule": "cosine", "lr_min_ratio": 0.2})
     assert lr_at(cfg, 0) == pytest.approx(0.01)
     assert lr_at(cfg, 10) == pytest.approx(0.002)
     assert lr_at(cfg, 5) == pytest.approx(0.006)
 
 
-@pytest.mark.parametrize(("options", "key"), [
-    ({"bogus": 1}, "[method] bogus"),
-    ({"balanced": "yes"}, "[method] balanced"),
-    ({"lr_schedule": "step"}, "[method] lr_schedule"),
-    ({"momentum": 1.5}, "[method] momentum"),
-    ({"eval_test_missing": [1.0]}, "[method] eval_test_missing"),
-    ({"exact_objective": 1}, "[method] exact_objective"),
-])
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"bogus": 1}, "[method] bogus"),
+        ({"balanced": "yes"}, "[method] balanced"),
+        ({"lr_schedule": "step"}, "[method] lr_schedule"),
+        ({"momentum": 1.5}, "[method] momentum"),
+        ({"eval_test_missing": [1.0]}, "[method] eval_test_missing"),
+        ({"exact_objective": 1}, "[method] exact_objective"),
+    ],
+)
 def test_bad_method_options_name_the_key(tmp_path, options, key):
     with pytest.raises(ConfigError) as info:
         block_config(tmp_path, options=options)
@@ -359,8 +404,9 @@ def test_prediction_uses_the_mean_over_present_parties_for_every_head(tmp_path):
     subset = ("p0", "p2", "p3")
     logits = fed.method.predict_subset(fed, rows, ("p3", "p0", "p2"))  # order does not matter
     with torch.no_grad():
-        reps = [fed.party_methods[p].models["rep"](fed.party_methods[p]._inputs(rows))
-                for p in subset]
+        reps = [
+            fed.party_methods[p].models["rep"](fed.party_methods[p]._inputs(rows)) for p in subset
+        ]
         z = sum(reps) / 3
         for k in subset:
             torch.testing.assert_close(logits[k], fed.method.heads[k](z), rtol=1e-5, atol=1e-5)
@@ -393,8 +439,9 @@ def test_secure_mode_skips_terms_it_cannot_sum_safely_and_logs_the_count(tmp_pat
     for h in fed.history:
         assert h["skipped_tasks"] > 0
     assert any("skipped" in line and "min_group" in line for line in fed.logs)
-    assert fed.method.summary()["skipped_tasks_total"] == sum(h["skipped_tasks"]
-                                                              for h in fed.history)
+    assert fed.method.summary()["skipped_tasks_total"] == sum(
+        h["skipped_tasks"] for h in fed.history
+    )
     assert metrics["n_fallback"] > 0  # test rows with one present party
     # parties whose gradients differ get their own calls: with a family {abcd, ab, cd}, a and
     # b get dL/dS_abcd + dL/dS_ab, c and d get dL/dS_abcd + dL/dS_cd
@@ -420,10 +467,16 @@ def _low_weight_vector_in_span(groups, parties, min_group):
 
 
 @pytest.mark.parametrize(("min_group", "blocks"), [(2, 4), (3, 6)])
-def test_secure_sums_of_a_row_never_difference_to_fewer_than_min_group(tmp_path, min_group,
-                                                                        blocks):
-    cfg = block_config(tmp_path, aggregation="mask", p_train=0.2, epochs=2, n=400,
-                       blocks=blocks, run={"min_group": min_group})
+def test_secure_sums_of_a_row_never_difference_to_fewer_than_min_group(tmp_path, min_group, blocks):
+    cfg = block_config(
+        tmp_path,
+        aggregation="mask",
+        p_train=0.2,
+        epochs=2,
+        n=400,
+        blocks=blocks,
+        run={"min_group": min_group},
+    )
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     fed.run()
     groups_of: dict[int, set[tuple[str, ...]]] = {}
@@ -464,8 +517,9 @@ def test_secure_modes_refuse_re_evaluating_rows_under_other_patterns(tmp_path):
     with pytest.raises(ConfigError) as info:
         block_config(tmp_path, aggregation="mask", options={"eval_test_missing": [0.5]})
     assert info.value.key == "[method] eval_test_missing"
-    block_config(tmp_path, aggregation="mask", options={"eval_test_missing": [0.5]},
-                 run={"min_group": 1})  # the explicit opt-in allows it
+    block_config(
+        tmp_path, aggregation="mask", options={"eval_test_missing": [0.5]}, run={"min_group": 1}
+    )  # the explicit opt-in allows it
 
 
 def test_families_can_be_asked_for_in_plain_mode_but_not_turned_off_in_secure_modes(tmp_path):
@@ -480,8 +534,7 @@ def test_families_can_be_asked_for_in_plain_mode_but_not_turned_off_in_secure_mo
 
 
 def test_min_group_one_is_an_explicit_opt_in_that_trains_every_task(tmp_path):
-    cfg = block_config(tmp_path, aggregation="mask", p_train=0.5, epochs=1,
-                       run={"min_group": 1})
+    cfg = block_config(tmp_path, aggregation="mask", p_train=0.5, epochs=1, run={"min_group": 1})
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     metrics = fed.run()
     assert fed.history[0]["skipped_tasks"] == 0
@@ -500,8 +553,9 @@ def test_plain_and_mask_runs_agree(tmp_path):
 
 
 def test_laser_learns_with_missing_blocks(tmp_path):
-    cfg = block_config(tmp_path, p_train=0.3, p_test=0.3, epochs=6,
-                       options={"eval_test_missing": [0.0, 0.5]})
+    cfg = block_config(
+        tmp_path, p_train=0.3, p_test=0.3, epochs=6, options={"eval_test_missing": [0.0, 0.5]}
+    )
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     metrics = fed.run()
     assert metrics["accuracy"] > 0.72, metrics
@@ -566,12 +620,21 @@ def test_active_party_with_its_own_block(tmp_path):
 def test_laser_gradients_go_through_label_dp(tmp_path):
     from securevfl.inproc import run_federation
 
-    cfg = block_config(tmp_path, aggregation="mask", p_train=0.3, epochs=2, n=300,
-                       run={"transport": "inproc"},
-                       privacy={"label_dp": {"noise_multiplier": 1.0, "clip": 1.0},
-                                "delta": 1e-5},
-                       network={"heartbeat_interval": 0.2, "peer_timeout": 5.0,
-                                "round_timeout": 30.0, "startup_timeout": 30.0})
+    cfg = block_config(
+        tmp_path,
+        aggregation="mask",
+        p_train=0.3,
+        epochs=2,
+        n=300,
+        run={"transport": "inproc"},
+        privacy={"label_dp": {"noise_multiplier": 1.0, "clip": 1.0}, "delta": 1e-5},
+        network={
+            "heartbeat_interval": 0.2,
+            "peer_timeout": 5.0,
+            "round_timeout": 30.0,
+            "startup_timeout": 30.0,
+        },
+    )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
     ledgers = list((tmp_path / "run").rglob("*ledger*"))
@@ -596,13 +659,28 @@ def test_laser_run_survives_a_party_lost_mid_training(tmp_path):
     from securevfl.methods import MethodSpec, register_method, registry
 
     if "test-laser-crash" not in registry():
-        register_method(MethodSpec(name="test-laser-crash", active=LaserActive,
-                                   party=CrashingParty, tasks=("binary",)))
+        register_method(
+            MethodSpec(
+                name="test-laser-crash", active=LaserActive, party=CrashingParty, tasks=("binary",)
+            )
+        )
     CrashingParty.forwards = 0
-    cfg = block_config(tmp_path, method="test-laser-crash", aggregation="mask", p_train=0.2,
-                       p_test=0.2, epochs=2, n=400, run={"transport": "inproc"},
-                       network={"heartbeat_interval": 0.2, "peer_timeout": 5.0,
-                                "round_timeout": 30.0, "startup_timeout": 30.0})
+    cfg = block_config(
+        tmp_path,
+        method="test-laser-crash",
+        aggregation="mask",
+        p_train=0.2,
+        p_test=0.2,
+        epochs=2,
+        n=400,
+        run={"transport": "inproc"},
+        network={
+            "heartbeat_interval": 0.2,
+            "peer_timeout": 5.0,
+            "round_timeout": 30.0,
+            "startup_timeout": 30.0,
+        },
+    )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
     assert metrics["lost_parties"] == ["p2"]
@@ -615,11 +693,31 @@ def test_laser_run_survives_a_party_lost_mid_training(tmp_path):
 def test_laser_end_to_end_inproc_mask(tmp_path):
     from securevfl.inproc import run_federation
 
-    cfg = block_config(tmp_path, aggregation="mask", p_train=0.3, p_test=0.3, epochs=2, n=400,
-                       run={"transport": "inproc"},
-                       network={"heartbeat_interval": 0.2, "peer_timeout": 5.0,
-                                "round_timeout": 30.0, "startup_timeout": 30.0})
+    cfg = block_config(
+        tmp_path,
+        aggregation="mask",
+        p_train=0.3,
+        p_test=0.3,
+        epochs=2,
+        n=400,
+        run={"transport": "inproc"},
+        network={
+            "heartbeat_interval": 0.2,
+            "peer_timeout": 5.0,
+            "round_timeout": 30.0,
+            "startup_timeout": 30.0,
+        },
+    )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
     assert metrics["test"]["accuracy"] > 0.6
     assert all("skipped_tasks" in h for h in metrics["history"])
+
+
+def test_the_credit_example_config_is_valid():
+    from securevfl.config import load_config
+
+    path = Path(__file__).resolve().parents[2] / "securevfl/examples/credit_laser.toml"
+    cfg = load_config(path)
+    assert cfg.method == "laser" and cfg.aggregation == "mask" and len(cfg.parties) == 4
+    assert cfg.option("balanced") is True and cfg.missing_train.get("p") == 0.5

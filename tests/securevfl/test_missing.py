@@ -70,8 +70,15 @@ def _raw(tmp_path, missing):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 4))
     y = (x.sum(axis=1) > 0).astype(float)
-    write_csv(tmp_path / "data.csv", id_column="ID", ids=ids, columns=["X1", "X2", "X3", "X4"],
-              values=x, label="Y", labels=y)
+    write_csv(
+        tmp_path / "data.csv",
+        id_column="ID",
+        ids=ids,
+        columns=["X1", "X2", "X3", "X4"],
+        values=x,
+        label="Y",
+        labels=y,
+    )
     raw = {
         "run": {"method": "laser", "aggregation": "plain", "seed": 0},
         "data": {"path": "data.csv", "test_fraction": 0.25},
@@ -87,8 +94,9 @@ def test_split_federation_applies_train_and_test_rates_separately(tmp_path):
     paths = split_federation(cfg, tmp_path / "run")
     active = load_active_table(paths["active"], cfg)
     assert len(active) == 2000  # the active party keeps every row (and so the split)
-    train, test = train_test_split(active.ids, test_fraction=0.25, seed=0,
-                                   labels=active.labels, stratify=True)
+    train, test = train_test_split(
+        active.ids, test_fraction=0.25, seed=0, labels=active.labels, stratify=True
+    )
     tables = {p: load_party_table(paths[p], cfg, p) for p in PARTIES}
     held_train = np.stack([tables[p].has(train) for p in PARTIES], axis=1)
     held_test = np.stack([tables[p].has(test) for p in PARTIES], axis=1)
@@ -107,8 +115,9 @@ def test_missing_blocks_are_the_generators_draw(tmp_path):
     cfg = _raw(tmp_path, {"test": {"kind": "mcar", "p": 0.5}})
     paths = split_federation(cfg, tmp_path / "run")
     active = load_active_table(paths["active"], cfg)
-    _, test = train_test_split(active.ids, test_fraction=0.25, seed=0, labels=active.labels,
-                               stratify=True)
+    _, test = train_test_split(
+        active.ids, test_fraction=0.25, seed=0, labels=active.labels, stratify=True
+    )
     tables = {p: load_party_table(paths[p], cfg, p) for p in PARTIES}
     held = np.stack([tables[p].has(test) for p in PARTIES], axis=1)
     drawn = presence(mcar(0.5), parties=PARTIES, n_rows=len(test), seed=0, split="test")
@@ -116,11 +125,14 @@ def test_missing_blocks_are_the_generators_draw(tmp_path):
     assert np.array_equal(held[keep], drawn[keep]) and not held[~keep].any()
 
 
-@pytest.mark.parametrize(("missing", "key"), [
-    ({"train": {"kind": "mcar", "p": 1.0}}, "[missing] train.p"),
-    ({"test": {"kind": "mcar"}}, "[missing] test"),
-    ({"train": {"kind": "nmar", "p": 0.1}}, "[missing] train"),
-])
+@pytest.mark.parametrize(
+    ("missing", "key"),
+    [
+        ({"train": {"kind": "mcar", "p": 1.0}}, "[missing] train.p"),
+        ({"test": {"kind": "mcar"}}, "[missing] test"),
+        ({"train": {"kind": "nmar", "p": 0.1}}, "[missing] train"),
+    ],
+)
 def test_bad_missingness_is_refused_naming_the_key(tmp_path, missing, key):
     with pytest.raises(ConfigError) as info:
         _raw(tmp_path, missing)
