@@ -30,8 +30,9 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _role_args(p: argparse.ArgumentParser, *, name: bool = False, data: bool = True,
-               resume: bool = True) -> None:
+def _role_args(
+    p: argparse.ArgumentParser, *, name: bool = False, data: bool = True, resume: bool = True
+) -> None:
     p.add_argument("--config", required=True, type=Path, help="the federation's TOML config")
     p.add_argument("--out", type=Path, default=Path("run"), help="this role's run directory")
     p.add_argument("--keys", type=Path, help="keys directory (default: [network] keys)")
@@ -39,8 +40,9 @@ def _role_args(p: argparse.ArgumentParser, *, name: bool = False, data: bool = T
     if name:
         p.add_argument("--name", required=True, help="this party's name ([parties.NAME])")
     if data:
-        p.add_argument("--data", type=Path,
-                       help="this role's own CSV (default: RUN_DIR/data/<role>.csv)")
+        p.add_argument(
+            "--data", type=Path, help="this role's own CSV (default: RUN_DIR/data/<role>.csv)"
+        )
         p.add_argument("--address", help="the aggregator's address (default: [network] aggregator)")
     if resume:
         p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
@@ -53,12 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a whole federation on this machine (one process per role)")
+    run = sub.add_parser(
+        "run", help="run a whole federation on this machine (one process per role)"
+    )
     run.add_argument("config", type=Path)
     run.add_argument("--out", type=Path, required=True, help="run directory")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
-    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override a config value, e.g. --set run.aggregation=plain")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, e.g. --set run.aggregation=plain",
+    )
 
     agg = sub.add_parser("aggregator", help="run the aggregator (ZeroMQ hub) on this host")
     _role_args(agg, data=False, resume=False)
@@ -81,22 +90,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
 
     audit = sub.add_parser(
-        "audit", help="the privacy spent in a run: epsilon per role and mechanism, from its ledger",
+        "audit",
+        help="the privacy spent in a run: epsilon per role and mechanism, from its ledger",
         description="Recompute epsilon(delta) per role and mechanism from RUN_DIR/ledger.jsonl "
-                    "alone, and list the releases with no formal guarantee.")
+        "alone, and list the releases with no formal guarantee.",
+    )
     audit.add_argument("run_dir", type=Path, help="the run directory (holds ledger.jsonl)")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
-    audit.add_argument("--accountant", choices=["rdp", "prv"],
-                       help="Opacus accountant (default: the run's [privacy] accountant)")
-    audit.add_argument("--delta", type=float,
-                       help="report epsilon at this delta (default: the delta the run recorded)")
-    audit.add_argument("--attack", action="store_true",
-                       help="also run label inference on the gradients each passive party "
-                            "received (needs [privacy] record_received = true and the active "
-                            "party's labels; binary tasks)")
-    audit.add_argument("--labels", type=Path,
-                       help="the active party's CSV with the labels, for --attack "
-                            "(default: RUN_DIR/data/<active>.csv)")
+    audit.add_argument(
+        "--accountant",
+        choices=["rdp", "prv"],
+        help="Opacus accountant (default: the run's [privacy] accountant)",
+    )
+    audit.add_argument(
+        "--delta",
+        type=float,
+        help="report epsilon at this delta (default: the delta the run recorded)",
+    )
+    audit.add_argument(
+        "--attack",
+        action="store_true",
+        help="also run label inference on the gradients each passive party "
+        "received (needs [privacy] record_received = true and the active "
+        "party's labels; binary tasks)",
+    )
+    audit.add_argument(
+        "--labels",
+        type=Path,
+        help="the active party's CSV with the labels, for --attack "
+        "(default: RUN_DIR/data/<active>.csv)",
+    )
 
     return parser
 
@@ -118,8 +141,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from securevfl.launcher import launch
 
         _check_privacy(load_config(args.config, overrides=_overrides(args.set)))
-        return launch(args.config, out=args.out, resume=args.resume,
-                      overrides=_overrides(args.set), override_args=args.set)
+        return launch(
+            args.config,
+            out=args.out,
+            resume=args.resume,
+            overrides=_overrides(args.set),
+            override_args=args.set,
+        )
     if args.command in ("aggregator", "active", "party"):
         return run_role(args)
     if args.command == "keys":
@@ -144,20 +172,31 @@ def _check_privacy(cfg: RunConfig) -> None:
     """Fail before any process starts on a privacy setting that needs N to be judged (delta
     >= 1/N, a budget that cannot pay for one step, an unreachable target epsilon). N is read
     from the table as the split will make it; the active party checks again with the exact N."""
-    dp = [cfg.label_dp, cfg.head_dp_sgd, cfg.delta, cfg.active_max_epsilon,
-          *(x for p in cfg.parties for x in (p.embedding_dp, p.dp_sgd, p.max_epsilon))]
+    dp = [
+        cfg.label_dp,
+        cfg.head_dp_sgd,
+        cfg.delta,
+        cfg.active_max_epsilon,
+        *(x for p in cfg.parties for x in (p.embedding_dp, p.dp_sgd, p.max_epsilon)),
+    ]
     if all(x is None for x in dp):
         return
     from securevfl.data.table import DataError, read_csv_columns, train_test_split
     from securevfl.privacy.runtime import check_federation
 
     try:
-        ids, _, labels = read_csv_columns(cfg.data_path, id_column=cfg.id_column, columns=[],
-                                          label=cfg.label)
+        ids, _, labels = read_csv_columns(
+            cfg.data_path, id_column=cfg.id_column, columns=[], label=cfg.label
+        )
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
-    train, _ = train_test_split(ids, test_fraction=cfg.test_fraction, seed=cfg.seed,
-                                labels=labels, stratify=cfg.task != "regression")
+    train, _ = train_test_split(
+        ids,
+        test_fraction=cfg.test_fraction,
+        seed=cfg.seed,
+        labels=labels,
+        stratify=cfg.task != "regression",
+    )
     check_federation(cfg, n_train=len(train))
 
 
@@ -173,8 +212,13 @@ def _audit(args: argparse.Namespace) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = audit_run(args.run_dir, accountant=args.accountant, delta=args.delta,
-                               attack=args.attack, labels=args.labels)
+            report = audit_run(
+                args.run_dir,
+                accountant=args.accountant,
+                delta=args.delta,
+                attack=args.attack,
+                labels=args.labels,
+            )
     except AuditError as exc:
         print(f"securevfl audit: {exc}", file=sys.stderr)
         return P.EXIT_CONFIG
@@ -195,14 +239,18 @@ def _keys(args: argparse.Namespace) -> int:
     elif args.roles:
         roles = [r.strip() for r in args.roles.split(",") if r.strip()]
     else:
-        raise ConfigError("--config/--roles", "give the config (or the role names) to make keys for")
+        raise ConfigError(
+            "--config/--roles", "give the config (or the role names) to make keys for"
+        )
     try:
         public = generate_keys(roles, args.out, overwrite=args.force)
     except KeyMaterialError as exc:
         print(f"securevfl: {exc}", file=sys.stderr)
         return P.EXIT_CONFIG
-    print(f"wrote {public} (give it to every host) and {args.out / 'secret'}/<role>.json "
-          "(give each only to its role's host)")
+    print(
+        f"wrote {public} (give it to every host) and {args.out / 'secret'}/<role>.json "
+        "(give each only to its role's host)"
+    )
     return P.EXIT_OK
 
 
@@ -212,8 +260,10 @@ def run_role(args: argparse.Namespace) -> int:
     role = {"aggregator": "aggregator", "active": cfg.active_name}.get(args.command)
     if args.command == "party":
         if args.name not in cfg.party_names:
-            raise ConfigError("--name", f"no passive party {args.name!r} in the config; it has "
-                              f"{list(cfg.party_names)}")
+            raise ConfigError(
+                "--name",
+                f"no passive party {args.name!r} in the config; it has {list(cfg.party_names)}",
+            )
         role = args.name
     run_dir = args.out.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,12 +281,28 @@ def run_role(args: argparse.Namespace) -> int:
         if args.command == "active":
             from securevfl.roles.active import run_active
 
-            return run_active(cfg, run_dir=run_dir, keys_dir=keys_dir, data_path=data,
-                              address=address, logger=logger, device=device, resume=args.resume)
+            return run_active(
+                cfg,
+                run_dir=run_dir,
+                keys_dir=keys_dir,
+                data_path=data,
+                address=address,
+                logger=logger,
+                device=device,
+                resume=args.resume,
+            )
         from securevfl.roles.party import run_party
 
-        return run_party(cfg, name=role, run_dir=run_dir, keys_dir=keys_dir, data_path=data,
-                         address=address, logger=logger, device=device)
+        return run_party(
+            cfg,
+            name=role,
+            run_dir=run_dir,
+            keys_dir=keys_dir,
+            data_path=data,
+            address=address,
+            logger=logger,
+            device=device,
+        )
     except P.RunAborted as exc:
         logger.error("%s", exc)
         print(f"securevfl {role}: {exc}", file=sys.stderr)
@@ -245,8 +311,10 @@ def run_role(args: argparse.Namespace) -> int:
         raise
     except Exception as exc:  # report, with the traceback in the role's log
         logger.error("failed: %s\n%s", exc, traceback.format_exc())
-        print(f"securevfl {role}: failed: {exc} (details in {run_dir / 'logs' / (role + '.log')})",
-              file=sys.stderr)
+        print(
+            f"securevfl {role}: failed: {exc} (details in {run_dir / 'logs' / (role + '.log')})",
+            file=sys.stderr,
+        )
         return _exit_code_for(exc)
 
 
@@ -270,7 +338,7 @@ def _device(cfg: RunConfig) -> Any:
     import torch
 
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("[run] device", "cuda was asked for but no GPU is visible; use \"cpu\"")
+        raise ConfigError("[run] device", 'cuda was asked for but no GPU is visible; use "cpu"')
     return torch.device(cfg.device)
 
 

@@ -172,8 +172,17 @@ def load_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None)
 def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunConfig:
     """Validate a config already parsed into dicts (the TOML structure)."""
     known_sections = {
-        "run", "data", "active", "parties", "train", "model", "secure", "network",
-        "missing", "privacy", "method",
+        "run",
+        "data",
+        "active",
+        "parties",
+        "train",
+        "model",
+        "secure",
+        "network",
+        "missing",
+        "privacy",
+        "method",
     }
     for section in raw:
         if section not in known_sections:
@@ -191,8 +200,14 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         raw,
         "network",
         {
-            "aggregator", "bind", "keys", "heartbeat_interval", "peer_timeout", "round_timeout",
-            "startup_timeout", "aggregator_in_active",
+            "aggregator",
+            "bind",
+            "keys",
+            "heartbeat_interval",
+            "peer_timeout",
+            "round_timeout",
+            "startup_timeout",
+            "aggregator_in_active",
         },
     )
     mi = _Section(raw, "missing", {"train", "test"})
@@ -229,10 +244,15 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         hidden=tuple(m.int_list("hidden", [64], minimum=1)),
         width=m.integer("width", 16, minimum=1),
         head_hidden=tuple(m.int_list("head_hidden", [], minimum=1)),
-        frac_bits=s.integer("frac_bits", int(secure_defaults.get("frac_bits", 20)), minimum=1,
-                            maximum=52),
-        bound=s.number("bound", float(secure_defaults.get("bound", 2.0**20)), minimum=0.0,
-                       exclusive_minimum=True),
+        frac_bits=s.integer(
+            "frac_bits", int(secure_defaults.get("frac_bits", 20)), minimum=1, maximum=52
+        ),
+        bound=s.number(
+            "bound",
+            float(secure_defaults.get("bound", 2.0**20)),
+            minimum=0.0,
+            exclusive_minimum=True,
+        ),
         ckks=_ckks(s.table("ckks", {})),
         aggregator_address=n.string("aggregator", "tcp://127.0.0.1:5555"),
         bind_address=n.string("bind", None),
@@ -308,7 +328,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "[run] transport",
             "inproc runs every role in one process, which would put the CKKS secret key next to "
-            "every ciphertext; use transport = \"zmq\" with ckks",
+            'every ciphertext; use transport = "zmq" with ckks',
         )
     encoded_bits = math.log2(cfg.bound) + cfg.frac_bits
     if encoded_bits > 58:
@@ -334,9 +354,7 @@ class _Section:
             raise ConfigError(f"[{name}]", f"must be a table, got {type(value).__name__}")
         for key in value:
             if key not in known:
-                raise ConfigError(
-                    f"[{name}] {key}", f"unknown key; known keys are {sorted(known)}"
-                )
+                raise ConfigError(f"[{name}] {key}", f"unknown key; known keys are {sorted(known)}")
         self.name = name
         self.values = value
 
@@ -528,7 +546,9 @@ def _missing(raw: Any, key: str) -> MissingSpec:
     params = {k: v for k, v in raw.items() if k != "kind"}
     expected = _MISSING_KINDS[kind]
     if set(params) != expected:
-        raise ConfigError(key, f"kind {kind!r} takes exactly {sorted(expected)}, got {sorted(params)}")
+        raise ConfigError(
+            key, f"kind {kind!r} takes exactly {sorted(expected)}, got {sorted(params)}"
+        )
     values = {k: _number(v, f"{key}.{k}", minimum=0.0) for k, v in params.items()}
     if kind == "mcar" and not values["p"] < 1.0:
         raise ConfigError(f"{key}.p", "must be < 1 (p = 1 would leave no data)")
@@ -539,7 +559,9 @@ def _dp(raw: Any, key: str) -> DPConfig | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
-        raise ConfigError(key, f"must be a table like {{ noise_multiplier = 1.0, clip = 1.0 }}, got {raw!r}")
+        raise ConfigError(
+            key, f"must be a table like {{ noise_multiplier = 1.0, clip = 1.0 }}, got {raw!r}"
+        )
     known = {"noise_multiplier", "clip", "target_epsilon"}
     for k in raw:
         if k not in known:

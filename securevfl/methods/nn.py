@@ -80,8 +80,9 @@ def output_dim(task: str, n_classes: int) -> int:
     return n_classes if task == "multiclass" else 1
 
 
-def task_loss(task: str, output: torch.Tensor, y: torch.Tensor, *, reduction: str = "mean"
-              ) -> torch.Tensor:
+def task_loss(
+    task: str, output: torch.Tensor, y: torch.Tensor, *, reduction: str = "mean"
+) -> torch.Tensor:
     if task == "binary":
         return nn.functional.binary_cross_entropy_with_logits(
             output.reshape(-1), y.float(), reduction=reduction
@@ -102,7 +103,9 @@ def class_count(task: str, labels: np.ndarray) -> int:
         )
     n = int(values.max()) + 1
     if task == "binary" and n > 2:
-        raise ValueError(f"task 'binary' needs labels 0/1, got {values[:10].tolist()}; use 'multiclass'")
+        raise ValueError(
+            f"task 'binary' needs labels 0/1, got {values[:10].tolist()}; use 'multiclass'"
+        )
     return max(n, 2)
 
 

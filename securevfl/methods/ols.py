@@ -24,8 +24,8 @@ from securevfl.config import ConfigError, RunConfig
 from securevfl.methods.base import ActiveContext, MethodSpec, register_method
 from securevfl.methods.vfem import (
     COMMON_OPTIONS,
-    BlockRegressionActive,
     VFEM_SECURE_DEFAULTS,
+    BlockRegressionActive,
     BlockRegressionParty,
     VfemInputError,
     option_check,

@@ -43,22 +43,26 @@ class SplitNNParty(PartyMethod):
         train_ids = inputs["train_ids"]
         self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
         self.encoder = mlp(
-            len(self.table.columns), self.config.hidden, self.config.width,
+            len(self.table.columns),
+            self.config.hidden,
+            self.config.width,
             seed=derived_seed(self.config.seed, "encoder", self.name),
         ).to(self.device)
         self.optimizer = make_optimizer(self.encoder.parameters(), self.config)
         # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it; the active party
         # reduces its loss by the mean, so the gradient rows received carry 1/B
-        self.training = private_training(self, self.encoder, self.optimizer,
-                                         expected_batch_size=self.config.batch_size)
+        self.training = private_training(
+            self, self.encoder, self.optimizer, expected_batch_size=self.config.batch_size
+        )
         self.encoder, self.optimizer = self.training.module, self.training.optimizer
         self._pending: tuple[np.ndarray, torch.Tensor] | None = None
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
 
-    def handle(self, op: str, *, ids: np.ndarray, args: Mapping[str, Any],
-               inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def handle(
+        self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         if op == "forward":
             x = self._inputs(ids)
             if args.get("train", False):
@@ -76,8 +80,9 @@ class SplitNNParty(PartyMethod):
             _, out = self._pending
             grad = torch.tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
             if grad.shape != out.shape:
-                raise ValueError(f"gradient shape {tuple(grad.shape)} != representation "
-                                 f"{tuple(out.shape)}")
+                raise ValueError(
+                    f"gradient shape {tuple(grad.shape)} != representation {tuple(out.shape)}"
+                )
             self.training.zero_grad()
             out.backward(grad)
             self.training.step()
@@ -119,13 +124,19 @@ class SplitNNActive(ActiveMethod):
         cfg = self.config
         self.n_classes = class_count(cfg.task, self.table.labels)
         self.head = mlp(
-            cfg.width, cfg.head_hidden, output_dim(cfg.task, self.n_classes),
+            cfg.width,
+            cfg.head_hidden,
+            output_dim(cfg.task, self.n_classes),
             seed=derived_seed(cfg.seed, "head"),
         ).to(self.device)
         self.own = None
         if self.table.columns:
-            self.own = mlp(len(self.table.columns), cfg.hidden, cfg.width,
-                           seed=derived_seed(cfg.seed, "encoder", cfg.active_name)).to(self.device)
+            self.own = mlp(
+                len(self.table.columns),
+                cfg.hidden,
+                cfg.width,
+                seed=derived_seed(cfg.seed, "encoder", cfg.active_name),
+            ).to(self.device)
         self.fusion = Fusion(self.head, self.own)
         self.optimizer = make_optimizer(self.fusion.parameters(), cfg)
         self.scaler = Standardizer()
@@ -134,8 +145,9 @@ class SplitNNActive(ActiveMethod):
     def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
         return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
 
-    def _forward(self, ctx: ActiveContext, ids: np.ndarray, *, train: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, ctx: ActiveContext, ids: np.ndarray, *, train: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         total = ctx.call("forward", ids=ids, args={"train": train}, sums=self._sum_spec(ctx))["S"]
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
         model = self.training.model if train and self.training is not None else self.fusion
@@ -150,14 +162,15 @@ class SplitNNActive(ActiveMethod):
         if incomplete:
             raise ValueError(
                 f"splitnn needs every training row at every party, but {incomplete} rows are "
-                "missing at some party; use method \"standard-vfl\" (complete rows only) or "
-                "\"laser\" (any subset of parties)"
+                'missing at some party; use method "standard-vfl" (complete rows only) or '
+                '"laser" (any subset of parties)'
             )
         if ctx.start_epoch == 0:
             self.scaler.fit(self.table.rows(train_ids))
         # DP-SGD on head (+ own encoder) when [active] dp_sgd is set; the loss is a batch mean
-        self.training = private_training(ctx, self.fusion, self.optimizer,
-                                         expected_batch_size=cfg.batch_size)
+        self.training = private_training(
+            ctx, self.fusion, self.optimizer, expected_batch_size=cfg.batch_size
+        )
         for epoch in range(ctx.start_epoch, cfg.epochs):
             started = time.perf_counter()
             total_loss = 0.0
@@ -173,14 +186,21 @@ class SplitNNActive(ActiveMethod):
                 # the head steps first: a DP-SGD budget that runs out stops before any release
                 self.training.step(epoch=epoch)
                 released = ctx.release_gradients({"grad": per_sample}, epoch=epoch, ids=ids)
-                ctx.call("backward", ids=ids, inputs={"grad": released["grad"] / len(ids)},
-                         to=ctx.parties)
+                ctx.call(
+                    "backward",
+                    ids=ids,
+                    inputs={"grad": released["grad"] / len(ids)},
+                    to=ctx.parties,
+                )
                 total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
-            ctx.epoch_done(epoch, stats={
-                "loss": total_loss / max(len(train_ids), 1),
-                "rows_per_s": len(train_ids) / max(elapsed, 1e-9),
-            })
+            ctx.epoch_done(
+                epoch,
+                stats={
+                    "loss": total_loss / max(len(train_ids), 1),
+                    "rows_per_s": len(train_ids) / max(elapsed, 1e-9),
+                },
+            )
 
     def predict(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
         self.fusion.eval()
@@ -196,8 +216,11 @@ class SplitNNActive(ActiveMethod):
         return task_metrics(self.config.task, y_true=self.table.label_rows(ids), output=output)
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scaler": self.scaler.state_dict()}
+        state = {
+            "head": self.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
         if self.own is not None:
             state["own"] = self.own.state_dict()
         return state
@@ -210,7 +233,11 @@ class SplitNNActive(ActiveMethod):
             self.own.load_state_dict(state["own"])
 
 
-SPEC = register_method(MethodSpec(
-    name="splitnn", active=SplitNNActive, party=SplitNNParty,
-    description="split-NN baseline: summed party representations, head at the active party",
-))
+SPEC = register_method(
+    MethodSpec(
+        name="splitnn",
+        active=SplitNNActive,
+        party=SplitNNParty,
+        description="split-NN baseline: summed party representations, head at the active party",
+    )
+)

@@ -30,8 +30,17 @@ def parse_sums(meta: Mapping[str, Any]) -> list[SumSpec]:
 class PassiveParty:
     """One passive party's loop. `run()` returns when the active party says bye."""
 
-    def __init__(self, *, cfg: RunConfig, name: str, table: Any, conn: RoleConnection,
-                 run_dir: Path, logger: logging.Logger, device: Any) -> None:
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        name: str,
+        table: Any,
+        conn: RoleConnection,
+        run_dir: Path,
+        logger: logging.Logger,
+        device: Any,
+    ) -> None:
         self.cfg = cfg
         self.name = name
         self.conn = conn
@@ -58,26 +67,45 @@ class PassiveParty:
                 if self.received is not None:
                     self.received.save()
                 stats = self.conn.stats()
-                self.conn.send(Envelope(kind=P.STATS, sender=self.name, round=env.round,
-                                        meta={"stats": {self.name: stats}}))
+                self.conn.send(
+                    Envelope(
+                        kind=P.STATS,
+                        sender=self.name,
+                        round=env.round,
+                        meta={"stats": {self.name: stats}},
+                    )
+                )
                 return stats
             if env.kind != P.CALL:
                 self.logger.warning("ignored unexpected %r message", env.kind)
                 continue
             if env.round <= self.last_round:
-                self.logger.warning("ignored call for round %d (already at %d)", env.round,
-                                    self.last_round)
+                self.logger.warning(
+                    "ignored call for round %d (already at %d)", env.round, self.last_round
+                )
                 continue
             self.last_round = env.round
             tensors, shapes = self._answer(env, session)
-            self.conn.send(Envelope(kind=P.CONTRIB, sender=self.name, round=env.round,
-                                    tensors=tensors, meta={"shapes": shapes}))
+            self.conn.send(
+                Envelope(
+                    kind=P.CONTRIB,
+                    sender=self.name,
+                    round=env.round,
+                    tensors=tensors,
+                    meta={"shapes": shapes},
+                )
+            )
 
     def _check_context_tag(self, context: bytes, tags: Mapping[str, str], session: bytes) -> None:
         active = self.cfg.active_name
-        expected = ckks_context_tag(context=context, my_keypair=self.conn.secrets.mask,
-                                    me=self.name, peer=active,
-                                    peer_public=self.conn.public.mask[active], session=session)
+        expected = ckks_context_tag(
+            context=context,
+            my_keypair=self.conn.secrets.mask,
+            me=self.name,
+            peer=active,
+            peer_public=self.conn.public.mask[active],
+            session=session,
+        )
         if not hmac.compare_digest(bytes.fromhex(str(tags.get(self.name, ""))), expected):
             raise P.RunAborted(
                 "the CKKS public context failed authentication: it was not sent by the active "
@@ -96,7 +124,7 @@ class PassiveParty:
             self.privacy.record_unprotected_once(
                 what="representations sent to sums",
                 reason="aggregation = plain: the aggregator and the active party see each "
-                       "contribution in the clear",
+                "contribution in the clear",
             )
 
     def _record_single_sum(self, op: str, spec: SumSpec) -> None:
@@ -109,9 +137,10 @@ class PassiveParty:
             return
         self._single_sums.add(seen)
         self.privacy.ledger.record_unprotected(
-            role=self.name, what=f"sum {spec.key!r} of {op!r} with this party alone",
+            role=self.name,
+            what=f"sum {spec.key!r} of {op!r} with this party alone",
             reason="[run] min_group = 1: a sum with a single contributor is that party's "
-                   "contribution, revealed to the active party",
+            "contribution, revealed to the active party",
             epoch=self.privacy.epoch,
         )
 
@@ -125,12 +154,18 @@ class PassiveParty:
             ckks = inputs.get("ckks_context")
             if ckks is not None:
                 self._check_context_tag(ckks.tobytes(), args.get("ckks_tags", {}), session)
-            self.stage = backend(self.cfg.aggregation).party(SumSession(
-                name=self.name, session=session, min_group=self.cfg.min_group,
-                frac_bits=self.cfg.frac_bits, bound=self.cfg.bound,
-                mask_keypair=self.conn.secrets.mask, mask_publics=self.conn.public.mask,
-                ckks_public_context=None if ckks is None else ckks.tobytes(),
-            ))
+            self.stage = backend(self.cfg.aggregation).party(
+                SumSession(
+                    name=self.name,
+                    session=session,
+                    min_group=self.cfg.min_group,
+                    frac_bits=self.cfg.frac_bits,
+                    bound=self.cfg.bound,
+                    mask_keypair=self.conn.secrets.mask,
+                    mask_publics=self.conn.public.mask,
+                    ckks_public_context=None if ckks is None else ckks.tobytes(),
+                )
+            )
             resume_epoch = int(args.get("resume_epoch", -1))
             if resume_epoch >= 0:
                 self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
@@ -161,35 +196,62 @@ class PassiveParty:
                 )
         # embedding DP: once per call (the call's tensors clipped jointly per row), before
         # masking or encryption; a noised tensor then feeds every sum it is part of for free
-        contributions = {t: np.asarray(out[t], dtype=np.float64)
-                         for t in dict.fromkeys(s.tensor for s in specs)}
+        contributions = {
+            t: np.asarray(out[t], dtype=np.float64) for t in dict.fromkeys(s.tensor for s in specs)
+        }
         released = self.privacy.release_contributions(contributions, ids=env.tensors["ids"])
         for spec in specs:
             value = released[spec.tensor]
             if len(spec.group) == 1:
                 self._record_single_sum(op, spec)
-            tensors.update(self.stage.protect(value, round=env.round, group=spec.group,
-                                              key=spec.key))
+            tensors.update(
+                self.stage.protect(value, round=env.round, group=spec.group, key=spec.key)
+            )
             shapes[spec.key] = list(value.shape)
         for name in env.meta.get("collect", []):
             tensors[f"{name}@{self.name}"] = np.asarray(out[name])
         return tensors, shapes
 
 
-def run_party(cfg: RunConfig, *, name: str, run_dir: Path, keys_dir: Path, data_path: Path,
-              address: str, logger: logging.Logger, device: Any, table: Any = None,
-              context: Any = None) -> int:
+def run_party(
+    cfg: RunConfig,
+    *,
+    name: str,
+    run_dir: Path,
+    keys_dir: Path,
+    data_path: Path,
+    address: str,
+    logger: logging.Logger,
+    device: Any,
+    table: Any = None,
+    context: Any = None,
+) -> int:
     from securevfl.data.table import load_party_table
 
     if table is None:
         table = load_party_table(data_path, cfg, name)
-    logger.info("party %s (pid %d): %d rows, columns %s", name, os.getpid(), len(table),
-                list(table.columns))
-    conn = RoleConnection.connect(cfg=cfg, name=name, keys_dir=keys_dir, address=address,
-                                  logger=logger, nonce=pysecrets.token_hex(16), context=context)
+    logger.info(
+        "party %s (pid %d): %d rows, columns %s", name, os.getpid(), len(table), list(table.columns)
+    )
+    conn = RoleConnection.connect(
+        cfg=cfg,
+        name=name,
+        keys_dir=keys_dir,
+        address=address,
+        logger=logger,
+        nonce=pysecrets.token_hex(16),
+        context=context,
+    )
     try:
-        PassiveParty(cfg=cfg, name=name, table=table, conn=conn, run_dir=run_dir, logger=logger,
-                     device=device).run()
+        PassiveParty(
+            cfg=cfg,
+            name=name,
+            table=table,
+            conn=conn,
+            run_dir=run_dir,
+            logger=logger,
+            device=device,
+        ).run()
         return P.EXIT_OK
     except P.RunAborted:
         raise
@@ -203,7 +265,13 @@ def run_party(cfg: RunConfig, *, name: str, run_dir: Path, keys_dir: Path, data_
 def report_failure(conn: RoleConnection, exc: BaseException) -> None:
     """Tell the aggregator (and so everyone) that this role failed and why, best effort."""
     try:
-        conn.send(Envelope(kind=P.ERROR, sender=conn.name, session=conn.session_hex or "",
-                           meta={"reason": f"{type(exc).__name__}: {exc}", "role": conn.name}))
+        conn.send(
+            Envelope(
+                kind=P.ERROR,
+                sender=conn.name,
+                session=conn.session_hex or "",
+                meta={"reason": f"{type(exc).__name__}: {exc}", "role": conn.name},
+            )
+        )
     except Exception as send_exc:  # the run is failing anyway; the log keeps both
         conn.logger.warning("could not report the failure to the aggregator: %s", send_exc)
