@@ -1,6 +1,6 @@
 """Cryptographic keystreams for pairwise masks: AES-128-CTR from ``cryptography``.
 
-Never ``numpy.random`` or ``random``: they are not cryptographic generators.
+Never NumPy's or Python's pseudo-random generators: they are not cryptographic.
 """
 
 from __future__ import annotations

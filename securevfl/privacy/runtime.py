@@ -453,7 +453,8 @@ class ReceivedGradients:
     record_received = true``) for the label-inference audit: per tensor name, the sample id,
     the epoch and the batch size of every row, and the row itself.
 
-    Stored with `numpy.savez` (no pickle) at ``RUN_DIR/received/<party>.npz``; keys
+    Stored with `numpy.savez` (plain arrays; read back with allow_pickle=False) at
+    ``RUN_DIR/received/<party>.npz``; keys
     ``names`` (the tensor names) and ``t<i>_ids``, ``t<i>_epoch``, ``t<i>_batch``,
     ``t<i>_grads`` for the i-th name.
     """
