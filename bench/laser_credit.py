@@ -180,7 +180,7 @@ def run_direct(cfg, run_dir: Path) -> dict[str, Any]:
     from tests.securevfl.test_laser import DirectFederation
 
     started = time.perf_counter()
-    fed = DirectFederation(cfg, run_dir=run_dir)
+    fed = DirectFederation(cfg, run_dir=run_dir, record=False)
     test = fed.run()
     return {
         "test": test,
@@ -610,7 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(jobs)} runs to do ({len(results['runs'])} already in {path})", flush=True)
         started = time.perf_counter()
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=ctx) as pool:
+        with ProcessPoolExecutor(
+            max_workers=max(1, args.jobs), mp_context=ctx, max_tasks_per_child=1
+        ) as pool:
             futures = {pool.submit(train_once, job): job for job in jobs}
             for i, fut in enumerate(as_completed(futures), start=1):
                 job = futures[fut]

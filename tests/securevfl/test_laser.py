@@ -100,10 +100,12 @@ class DirectFederation:
     Records what a test may want to check: the plaintext and decoded value of every sum
     (`sums`), the aggregator's view (`seen`), released gradients, logs and epoch stats.
     `drop(party, at_round=r)` makes the party vanish at round r (PartyDropped, as the roles
-    raise it)."""
+    raise it). `record=False` keeps none of that (a long benchmark run would hold every sum
+    of every epoch in memory)."""
 
-    def __init__(self, cfg, *, run_dir: Path) -> None:
+    def __init__(self, cfg, *, run_dir: Path, record: bool = True) -> None:
         self.config = cfg
+        self.record = record
         self.start_epoch = 0
         paths = split_federation(cfg, run_dir)
         self.tables = {p: load_party_table(paths[p], cfg, p) for p in cfg.party_names}
@@ -191,7 +193,8 @@ class DirectFederation:
             if p in self._drops and self.round >= self._drops[p]:
                 self._parties.remove(p)
                 raise PartyDropped(p)
-        self.calls.append((op, tuple(to), tuple(sums), np.array(ids)))
+        if self.record:
+            self.calls.append((op, tuple(to), tuple(sums), np.array(ids)))
         outs = {
             p: self.party_methods[p].handle(
                 op, ids=np.asarray(ids), args=dict(args or {}), inputs=dict(inputs or {})
@@ -205,13 +208,15 @@ class DirectFederation:
                 p: self.party_stages[p].protect(v, round=self.round, group=spec.group, key=spec.key)
                 for p, v in values.items()
             }
-            self.seen.append((spec, {p: a[spec.key] for p, a in protected.items()}))
+            if self.record:
+                self.seen.append((spec, {p: a[spec.key] for p, a in protected.items()}))
             combined = self.aggregator.combine(protected, group=spec.group, key=spec.key)
             shape = next(iter(values.values())).shape
             result[spec.key] = self.active_stage.reveal(
                 combined, group=spec.group, key=spec.key, shape=shape
             )
-            self.sums.append((spec, np.sum(list(values.values()), axis=0), result[spec.key]))
+            if self.record:
+                self.sums.append((spec, np.sum(list(values.values()), axis=0), result[spec.key]))
         return result
 
     def presence(self, ids: np.ndarray) -> np.ndarray:
@@ -219,7 +224,8 @@ class DirectFederation:
 
     def release_gradients(self, grads, *, epoch, ids=None):
         assert ids is not None and all(len(v) == len(ids) for v in grads.values())
-        self.released.append({k: np.array(v) for k, v in grads.items()})
+        if self.record:
+            self.released.append({k: np.array(v) for k, v in grads.items()})
         return {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
 
     def epoch_done(self, epoch, *, stats):

@@ -1,0 +1,103 @@
+"""LASER-VFL as real OS processes over ZeroMQ with CURVE: a passive party killed with SIGKILL
+mid-training is treated as missing from then on and the run finishes; CKKS aggregation trains
+LASER-VFL as the masked sum does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.securevfl.conftest import securevfl_cli, write_toml
+from tests.securevfl.test_laser import block_csv
+
+pytestmark = pytest.mark.multiprocess
+
+NETWORK = {
+    "heartbeat_interval": 0.2,
+    "peer_timeout": 3.0,
+    "round_timeout": 60.0,
+    "startup_timeout": 60.0,
+}
+
+
+def laser_raw(directory, *, aggregation: str, epochs: int, n: int = 400) -> dict:
+    groups = block_csv(directory / "data.csv", n=n, blocks=4)
+    return {
+        "run": {"method": "laser", "aggregation": aggregation, "seed": 0},
+        "data": {"path": "data.csv", "task": "binary", "test_fraction": 0.25},
+        "active": {"columns": []},
+        "parties": {f"p{i}": {"columns": g} for i, g in enumerate(groups)},
+        "train": {"epochs": epochs, "batch_size": 32, "lr": 0.01},
+        "model": {"hidden": [16], "width": 8},
+        "missing": {"train": {"kind": "mcar", "p": 0.2}, "test": {"kind": "mcar", "p": 0.2}},
+        "network": dict(NETWORK),
+    }
+
+
+def test_sigkilled_party_is_treated_as_missing_and_laser_finishes(tmp_path):
+    raw = laser_raw(tmp_path, aggregation="mask", epochs=12)
+    config = write_toml(raw, tmp_path / "config.toml")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "active" / "epoch_0001.pt").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "training never reached epoch 2"
+            time.sleep(0.05)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        os.kill(pids["p2"], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["lost_parties"] == ["p2"]
+    assert len(metrics["history"]) == raw["train"]["epochs"]
+    # the test rows held only by p2 cannot be scored; the others are predicted without p2
+    assert 0.9 * metrics["n_test"] <= metrics["test"]["n_eval"] < metrics["n_test"]
+    assert metrics["test"]["accuracy"] > 0.6
+    aggregator_log = (run_dir / "logs" / "aggregator.log").read_text()
+    assert "lost party 'p2'" in aggregator_log and "continuing without it" in aggregator_log
+    active_log = (run_dir / "logs" / "active.log").read_text()
+    assert "p2" in active_log and "missing from now on" in active_log
+    # every surviving role exited on its own, with status 0
+    for role in ("aggregator", "active", "p0", "p1", "p3"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids[role], 0)
+
+
+def test_laser_trains_over_ckks_as_over_the_masked_sum(tmp_path):
+    out = {}
+    for aggregation in ("mask", "ckks"):
+        d = tmp_path / aggregation
+        d.mkdir()
+        raw = laser_raw(d, aggregation=aggregation, epochs=3, n=300)
+        config = write_toml(raw, d / "config.toml")
+        done = securevfl_cli("run", str(config), "--out", str(d / "run"), timeout=400)
+        assert done.returncode == 0, done.stderr
+        out[aggregation] = json.loads((d / "run" / "metrics.json").read_text())
+    mask, ckks = out["mask"], out["ckks"]
+    assert ckks["aggregation"] == "ckks"
+    # CKKS sums carry ~1e-7 relative noise: the same seed trains (almost) the same model
+    assert ckks["test"]["accuracy"] == pytest.approx(mask["test"]["accuracy"], abs=0.03)
+    assert ckks["history"][-1]["loss"] == pytest.approx(mask["history"][-1]["loss"], rel=1e-2)
+    assert ckks["history"][-1]["skipped_tasks"] == mask["history"][-1]["skipped_tasks"]
+    # ciphertexts are much larger than masked fixed-point vectors
+    sent = {a: sum(r.get("bytes_sent", 0) for r in out[a]["roles"].values()) for a in out}
+    assert sent["ckks"] > 3 * sent["mask"]
