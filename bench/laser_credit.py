@@ -60,6 +60,9 @@ SCALING_TEXT = {
     "minmax": "min-max scaled to [0, 1] on the training rows",
     "none": "raw values (not scaled)",
 }
+TWO_LOGIT = "+2logit"  # setup suffix: heads Linear(d, 2) under softmax CE, as the paper's code
+for _k, _v in list(SCALING_TEXT.items()):
+    SCALING_TEXT[_k + TWO_LOGIT] = _v + "; two-logit heads (`--head two`)"
 CELLS = tuple((a, b) for a in P_VALUES for b in P_VALUES)
 
 # Table 1, Credit, F1 x 100 (mean, std over 5 seeds), cells (p_train, p_test)
@@ -122,7 +125,10 @@ def build_config(job: dict[str, Any], run_dir: Path):
     from securevfl.config import parse_config
 
     hp = hyperparameters(job["method"], job["p_train"])
-    options = dict(hp["options"], scaling=job["scaling"])
+    scaling, two_logit = job["scaling"].removesuffix(TWO_LOGIT), job["scaling"].endswith(TWO_LOGIT)
+    options = dict(hp["options"], scaling=scaling)
+    if two_logit:
+        options["two_logit_head"] = True
     if job.get("families"):
         options["families"] = True  # plain, trained as secure modes train (the training cost)
     missing: dict[str, Any] = {}
@@ -344,7 +350,7 @@ def report(
             rows.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
         lines += [
             "",
-            f"## Features: {SCALING_TEXT[scaling]} (`--scaling {scaling}`)",
+            f"## Features: {SCALING_TEXT[scaling]} (`--scaling {scaling.removesuffix(TWO_LOGIT)}`)",
             "",
             f"Runs through: {', '.join(sorted(transports)) or '-'} ({TRANSPORT_TEXT}).",
             "",
@@ -531,10 +537,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--scaling",
-        choices=tuple(SCALING_TEXT),
+        choices=tuple(k for k in SCALING_TEXT if not k.endswith(TWO_LOGIT)),
         default="zscore",
         help="per-column scaling fitted on the training rows (the paper's "
         "preprocessing is unknown)",
+    )
+    ap.add_argument(
+        "--head",
+        choices=("one", "two"),
+        default="one",
+        help="binary heads: one logit under BCE, or two logits under softmax CE (the paper's code)",
     )
     ap.add_argument(
         "--transport",
@@ -555,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     seeds = [int(s) for s in args.seeds.split(",") if s != ""]
+    if args.head == "two":
+        args.scaling += TWO_LOGIT
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         if m not in METHODS:

@@ -136,8 +136,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--aggregations", default="plain,mask,ckks")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="interleaved repetitions (plain, mask, ckks, plain, ...) against drift")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="interleaved repetitions (plain, mask, ckks, plain, ...) against drift",
+    )
     args = ap.parse_args()
     if not args.data.exists():
         raise SystemExit(f"{args.data} not found; pass --data PATH/credit_default.csv")
@@ -146,15 +150,24 @@ def main() -> None:
         for rep in range(args.repeats):
             for aggregation in args.aggregations.split(","):
                 print(f"running {aggregation} (repeat {rep + 1}/{args.repeats}) ...", flush=True)
-                r = run_one(aggregation, data=args.data, epochs=args.epochs, seed=args.seed,
-                            work=Path(tmp) / f"rep{rep}")
-                print(f"  median epoch {r['median_epoch_seconds']:.2f} s, "
-                      f"{r['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch, "
-                      f"test {r['test']}", flush=True)
+                r = run_one(
+                    aggregation,
+                    data=args.data,
+                    epochs=args.epochs,
+                    seed=args.seed,
+                    work=Path(tmp) / f"rep{rep}",
+                )
+                print(
+                    f"  median epoch {r['median_epoch_seconds']:.2f} s, "
+                    f"{r['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch, "
+                    f"test {r['test']}",
+                    flush=True,
+                )
                 if aggregation in runs:  # pool the epochs of every repeat
                     runs[aggregation]["epoch_seconds"] += r["epoch_seconds"]
                     runs[aggregation]["median_epoch_seconds"] = statistics.median(
-                        runs[aggregation]["epoch_seconds"])
+                        runs[aggregation]["epoch_seconds"]
+                    )
                 else:
                     runs[aggregation] = r
     base = runs["plain"]

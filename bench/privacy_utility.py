@@ -33,19 +33,30 @@ sys.path.insert(0, str(REPO))
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "credit_default.csv"
 
 
-def credit_config(*, data: Path, seed: int, epochs: int, eps: float, clip: float,
-                  batch_size: int, lr: float) -> dict:
+def credit_config(
+    *, data: Path, seed: int, epochs: int, eps: float, clip: float, batch_size: int, lr: float
+) -> dict:
     raw = {
         "run": {"method": "splitnn", "aggregation": "plain", "seed": seed},
-        "data": {"path": str(data.resolve()), "id": "ID", "label": "Y", "task": "binary",
-                 "test_fraction": 0.2},
+        "data": {
+            "path": str(data.resolve()),
+            "id": "ID",
+            "label": "Y",
+            "task": "binary",
+            "test_fraction": 0.2,
+        },
         "active": {"columns": []},
-        "parties": {f"p{k + 1}": {"columns": [f"X{5 * k + j + 1}" for j in range(5)]}
-                    for k in range(4)},
+        "parties": {
+            f"p{k + 1}": {"columns": [f"X{5 * k + j + 1}" for j in range(5)]} for k in range(4)
+        },
         "train": {"epochs": epochs, "batch_size": batch_size, "lr": lr},
         "model": {"hidden": [64], "width": 16},
-        "network": {"heartbeat_interval": 1.0, "peer_timeout": 60.0, "round_timeout": 600.0,
-                    "startup_timeout": 120.0},
+        "network": {
+            "heartbeat_interval": 1.0,
+            "peer_timeout": 60.0,
+            "round_timeout": 600.0,
+            "startup_timeout": 120.0,
+        },
         "privacy": {"record_received": True},
     }
     if math.isfinite(eps):
@@ -53,21 +64,32 @@ def credit_config(*, data: Path, seed: int, epochs: int, eps: float, clip: float
     return raw
 
 
-def run_one(*, data: Path, seed: int, epochs: int, eps: float, clip: float, batch_size: int,
-            lr: float, work: Path) -> dict:
+def run_one(
+    *,
+    data: Path,
+    seed: int,
+    epochs: int,
+    eps: float,
+    clip: float,
+    batch_size: int,
+    lr: float,
+    work: Path,
+) -> dict:
     from securevfl.config import parse_config
     from securevfl.inproc import run_federation
     from securevfl.privacy.run_audit import audit_run
 
-    raw = credit_config(data=data, seed=seed, epochs=epochs, eps=eps, clip=clip,
-                        batch_size=batch_size, lr=lr)
+    raw = credit_config(
+        data=data, seed=seed, epochs=epochs, eps=eps, clip=clip, batch_size=batch_size, lr=lr
+    )
     run_dir = work / f"eps{eps}-seed{seed}"
     cfg = parse_config(raw, source=run_dir / "config.toml")
     started = time.perf_counter()
     code, metrics = run_federation(cfg, out=run_dir)
     if code != 0 or metrics is None:
-        raise SystemExit(f"run eps={eps} seed={seed} failed with status {code}; see "
-                         f"{run_dir / 'logs'}")
+        raise SystemExit(
+            f"run eps={eps} seed={seed} failed with status {code}; see {run_dir / 'logs'}"
+        )
     report = audit_run(run_dir, attack=True)
     leak = list(report.leakage.values())
     label_rows = [r for r in report.rows if r.mechanism == "label_dp"]
@@ -98,7 +120,8 @@ def summarise(records: list[dict]) -> list[dict]:
             row[key] = statistics.fmean(values)
             row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
         row["attack_best_auc"] = statistics.fmean(
-            max(r["attack_norm_auc"], r["attack_direction_auc"]) for r in rs)
+            max(r["attack_norm_auc"], r["attack_direction_auc"]) for r in rs
+        )
         out.append(row)
     return out
 
@@ -114,16 +137,30 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, keys, title in (
         (axes[0], [("f1", "test F1 (positive class)")], "Utility"),
-        (axes[1], [("attack_norm_auc", "norm attack"),
-                   ("attack_direction_auc", "direction attack")], "Label inference (ROC-AUC)"),
+        (
+            axes[1],
+            [("attack_norm_auc", "norm attack"), ("attack_direction_auc", "direction attack")],
+            "Label inference (ROC-AUC)",
+        ),
     ):
         for key, label in keys:
             xs = [s["eps_target"] for s in finite]
-            ax.errorbar(xs, [s[key] for s in finite], yerr=[s[f"{key}_std"] for s in finite],
-                        marker="o", capsize=3, label=label)
+            ax.errorbar(
+                xs,
+                [s[key] for s in finite],
+                yerr=[s[f"{key}_std"] for s in finite],
+                marker="o",
+                capsize=3,
+                label=label,
+            )
             if none:
-                ax.axhline(none[0][key], linestyle="--", linewidth=1,
-                           color=ax.lines[-1].get_color(), label=f"{label}, no DP")
+                ax.axhline(
+                    none[0][key],
+                    linestyle="--",
+                    linewidth=1,
+                    color=ax.lines[-1].get_color(),
+                    label=f"{label}, no DP",
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("label-DP epsilon (target; ledger epsilon is <= it)")
         ax.set_title(title)
@@ -138,11 +175,17 @@ def plot(summary: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" /
-                        "privacy_utility.json")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "bench" / "results" / "privacy_utility.json"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--eps", type=float, nargs="+", default=[0.5, 1, 2, 4, 8, math.inf],
-                        help="label-DP target epsilons; inf = no label DP")
+    parser.add_argument(
+        "--eps",
+        type=float,
+        nargs="+",
+        default=[0.5, 1, 2, 4, 8, math.inf],
+        help="label-DP target epsilons; inf = no label DP",
+    )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--clip", type=float, default=0.5, help="label-DP clip C")
     parser.add_argument("--batch-size", type=int, default=256)
@@ -158,30 +201,56 @@ def main(argv: list[str] | None = None) -> int:
         total = len(args.eps) * len(args.seeds)
         for eps in args.eps:
             for seed in args.seeds:
-                r = run_one(data=args.data, seed=seed, epochs=args.epochs, eps=eps,
-                            clip=args.clip, batch_size=args.batch_size, lr=args.lr, work=work)
+                r = run_one(
+                    data=args.data,
+                    seed=seed,
+                    epochs=args.epochs,
+                    eps=eps,
+                    clip=args.clip,
+                    batch_size=args.batch_size,
+                    lr=args.lr,
+                    work=work,
+                )
                 records.append(r)
-                print(f"[{len(records)}/{total}] eps {eps:g} seed {seed}: F1 {r['f1']:.3f}  "
-                      f"attack AUC norm {r['attack_norm_auc']:.3f} direction "
-                      f"{r['attack_direction_auc']:.3f}  sigma {r['noise_multiplier']}  "
-                      f"({r['seconds']:.0f} s)", flush=True)
+                print(
+                    f"[{len(records)}/{total}] eps {eps:g} seed {seed}: F1 {r['f1']:.3f}  "
+                    f"attack AUC norm {r['attack_norm_auc']:.3f} direction "
+                    f"{r['attack_direction_auc']:.3f}  sigma {r['noise_multiplier']}  "
+                    f"({r['seconds']:.0f} s)",
+                    flush=True,
+                )
     summary = summarise(records)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "setup": {"data": str(args.data), "method": "splitnn", "aggregation": "plain",
-                  "parties": "4 x 5 columns (X1..X20)", "epochs": args.epochs,
-                  "batch_size": args.batch_size, "lr": args.lr, "label_dp_clip": args.clip,
-                  "seeds": args.seeds},
-        "summary": summary,
-        "runs": records,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "setup": {
+                    "data": str(args.data),
+                    "method": "splitnn",
+                    "aggregation": "plain",
+                    "parties": "4 x 5 columns (X1..X20)",
+                    "epochs": args.epochs,
+                    "batch_size": args.batch_size,
+                    "lr": args.lr,
+                    "label_dp_clip": args.clip,
+                    "seeds": args.seeds,
+                },
+                "summary": summary,
+                "runs": records,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     plot(summary, args.out.with_suffix(".png"))
     print(f"\n{'epsilon':>8}  {'F1':>13}  {'norm AUC':>13}  {'direction AUC':>13}")
     for s in summary:
         eps = "inf" if s["eps_target"] is None else f"{s['eps_target']:g}"
-        print(f"{eps:>8}  {s['f1']:.3f} +- {s['f1_std']:.3f}  "
-              f"{s['attack_norm_auc']:.3f} +- {s['attack_norm_auc_std']:.3f}  "
-              f"{s['attack_direction_auc']:.3f} +- {s['attack_direction_auc_std']:.3f}")
+        print(
+            f"{eps:>8}  {s['f1']:.3f} +- {s['f1_std']:.3f}  "
+            f"{s['attack_norm_auc']:.3f} +- {s['attack_norm_auc_std']:.3f}  "
+            f"{s['attack_direction_auc']:.3f} +- {s['attack_direction_auc_std']:.3f}"
+        )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

@@ -200,6 +200,10 @@ class MethodSpec:
     # defaults for [secure] keys the config leaves out (e.g. more fractional bits for a method
     # that iterates to a fixed point)
     secure_defaults: tuple[tuple[str, float], ...] = ()
+    # where `dp_sgd` may be configured: "parties" ([parties.NAME] dp_sgd on the party models)
+    # and/or "active" ([active] dp_sgd on the active party's trainable part); a method without
+    # SGD-trained models there refuses the key rather than ignore it
+    dp_sgd: tuple[str, ...] = ()
 
     def validate_config(self, cfg: RunConfig) -> None:
         from securevfl.config import ConfigError
@@ -214,6 +218,19 @@ class MethodSpec:
                 "[run] aggregation",
                 f"method {self.name!r} cannot run on sums, so {cfg.aggregation!r} cannot protect "
                 'it; use aggregation = "plain" (see the README\'s threat model)',
+            )
+        for party in cfg.parties:
+            if party.dp_sgd is not None and "parties" not in self.dp_sgd:
+                raise ConfigError(
+                    f"[parties.{party.name}] dp_sgd",
+                    f"method {self.name!r} has no party model trained by SGD, so DP-SGD cannot "
+                    "protect it; remove the key (embedding_dp protects what a party sends)",
+                )
+        if cfg.head_dp_sgd is not None and "active" not in self.dp_sgd:
+            raise ConfigError(
+                "[active] dp_sgd",
+                f"method {self.name!r} does not support DP-SGD at the active party; remove the "
+                "key ([privacy] label_dp protects the labels in what the parties receive)",
             )
         for check in self.extra_checks:
             check(cfg)

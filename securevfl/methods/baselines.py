@@ -93,7 +93,7 @@ class LocalActive(BlockActive):
             return None, len(present)
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         y = self.labels_tensor(ids)
-        loss = sum(task_loss(self.config.task, self.heads[s[0]](sums[s]), y) for s in subsets)
+        loss = sum(task_loss(self.loss_task, self.heads[s[0]](sums[s]), y) for s in subsets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
@@ -186,7 +186,7 @@ class StandardVFLActive(BlockActive):
             return None, 1
         sums, leaves = self.forward_sums(ctx, ids, [present], train=True, epoch=epoch)
         out = self.heads["joint"](sums[present] / len(present))
-        loss = task_loss(self.config.task, out, self.labels_tensor(ids))
+        loss = task_loss(self.loss_task, out, self.labels_tensor(ids))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
@@ -277,9 +277,7 @@ class CombinatorialActive(BlockActive):
             return None, len(every)
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         y = self.labels_tensor(ids)
-        loss = sum(
-            task_loss(self.config.task, self.head_of(s)(sums[s] / len(s)), y) for s in subsets
-        )
+        loss = sum(task_loss(self.loss_task, self.head_of(s)(sums[s] / len(s)), y) for s in subsets)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
@@ -369,7 +367,7 @@ class PlugVFLActive(BlockActive):
         if not self.sum_allowed(kept):
             return None, 1
         sums, leaves = self.forward_sums(ctx, ids, [kept], train=True, epoch=epoch)
-        loss = task_loss(self.config.task, self.heads["joint"](sums[kept]), self.labels_tensor(ids))
+        loss = task_loss(self.loss_task, self.heads["joint"](sums[kept]), self.labels_tensor(ids))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
@@ -414,6 +412,7 @@ for _spec in (
         active=LocalActive,
         party=BlockParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="one model per party on its own block (needs single-party sums)",
         extra_checks=(option_checks("local"), _single_party_sums("local")),
     ),
@@ -422,6 +421,7 @@ for _spec in (
         active=EnsembleActive,
         party=BlockParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="local models, majority vote of the present parties",
         extra_checks=(option_checks("ensemble"), _single_party_sums("ensemble")),
     ),
@@ -430,6 +430,7 @@ for _spec in (
         active=StandardVFLActive,
         party=BlockParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="split-NN on complete rows only; random class if a block is missing",
         extra_checks=(option_checks("standard-vfl"),),
     ),
@@ -438,6 +439,7 @@ for _spec in (
         active=CombinatorialActive,
         party=CombinatorialParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="an independent model for every subset of parties",
         extra_checks=(option_checks("combinatorial"),),
     ),
@@ -446,6 +448,7 @@ for _spec in (
         active=PlugVFLActive,
         party=PlugVFLParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="concatenation (zeros for missing blocks), anchor party required",
         extra_checks=(
             option_checks("plugvfl", extra_keys=("p_drop", "anchor"), check=_check_plug),

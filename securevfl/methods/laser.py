@@ -49,6 +49,7 @@ from securevfl.methods.base import (
     register_method,
 )
 from securevfl.methods.nn import Standardizer, class_count, derived_seed, mlp, output_dim, task_loss
+from securevfl.privacy.runtime import private_training
 
 EVAL_BATCH = 4096
 CLASSIFICATION = ("binary", "multiclass")
@@ -140,6 +141,7 @@ def laser_objective(
 
 COMMON_OPTIONS = (
     "balanced",
+    "two_logit_head",
     "lr_schedule",
     "lr_min_ratio",
     "momentum",
@@ -184,6 +186,7 @@ def option_checks(
                     f"unknown option for method {method!r}; known: {sorted(known)}",
                 )
         _opt_bool(cfg, "balanced")
+        _opt_bool(cfg, "two_logit_head")
         if scaling_of(cfg) not in SCALINGS:
             raise ConfigError(
                 "[method] scaling",
@@ -358,8 +361,32 @@ class BlockParty(PartyMethod):
         self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}).to(
             self.device
         )
-        self.optimizer = block_optimizer(self.models.parameters(), self.config)
+        # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it: one Opacus
+        # optimizer per model (a batch may train only some of a party's models), each step
+        # charged to the ledger; the active party's loss is a batch mean. Without it, one
+        # optimizer (Adam and SGD are per parameter, so this is the same update).
+        privacy = getattr(self, "privacy", None)
+        self.private = privacy is not None and privacy.plan.dp_sgd is not None
+        if self.private:
+            self.trainings = {
+                m: private_training(
+                    self,
+                    self.models[m],
+                    block_optimizer(self.models[m].parameters(), self.config),
+                    expected_batch_size=self.config.batch_size,
+                )
+                for m in self.model_names()
+            }
+            self.optimizer = None
+        else:
+            self.trainings = {}
+            self.optimizer = block_optimizer(self.models.parameters(), self.config)
         self._pending: tuple[np.ndarray, dict[str, torch.Tensor]] | None = None
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.private:
+            return [t.optimizer for t in self.trainings.values()]
+        return [self.optimizer]
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
@@ -375,10 +402,15 @@ class BlockParty(PartyMethod):
             x = self._inputs(ids)
             train = bool(args.get("train", False))
             if train:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr_at(self.config, int(args.get("epoch", 0)))
+                self._epoch = int(args.get("epoch", 0))
+                for optimizer in self._optimizers():
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr_at(self.config, self._epoch)
                 self.models.train()
-                outs = {m: self.models[m](x) for m in wanted}
+                if self.private:  # through Opacus's GradSampleModule (per-sample gradients)
+                    outs = {m: self.trainings[m].model(x) for m in wanted}
+                else:
+                    outs = {m: self.models[m](x) for m in wanted}
                 self._pending = (np.array(ids, copy=True), outs)
             else:
                 self.models.eval()
@@ -389,7 +421,7 @@ class BlockParty(PartyMethod):
             if self._pending is None or not np.array_equal(self._pending[0], ids):
                 raise RuntimeError("backward for rows that were not the last training forward")
             outs = self._pending[1]
-            tensors, grads = [], []
+            grads: dict[str, torch.Tensor] = {}
             for m, g in inputs.items():
                 if m not in outs:
                     raise ValueError(f"gradient for {m!r}, which the last forward did not compute")
@@ -399,26 +431,38 @@ class BlockParty(PartyMethod):
                         f"gradient shape {tuple(grad.shape)} != output "
                         f"{tuple(outs[m].shape)} of {m!r}"
                     )
-                tensors.append(outs[m])
-                grads.append(grad)
-            self.optimizer.zero_grad(set_to_none=True)
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-                self.optimizer.step()
+                grads[m] = grad
             self._pending = None
+            if self.private:  # each model clips, noises and charges its own step
+                for m, grad in grads.items():
+                    training = self.trainings[m]
+                    training.zero_grad()
+                    outs[m].backward(grad)
+                    training.step(epoch=getattr(self, "_epoch", None))
+            elif grads:
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.autograd.backward([outs[m] for m in grads], list(grads.values()))
+                self.optimizer.step()
             return {}
         raise UnknownOperation(self.method_name, op)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "models": self.models.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizers": [o.state_dict() for o in self._optimizers()],
             "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.models.load_state_dict(state["models"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizers"]
+        if len(saved) != len(self._optimizers()):
+            raise ValueError(
+                f"the checkpoint has {len(saved)} optimizers, this run {len(self._optimizers())}: "
+                "was [parties] dp_sgd changed? Resume with the run's own config"
+            )
+        for optimizer, sd in zip(self._optimizers(), saved, strict=True):
+            optimizer.load_state_dict(sd)
         self.scaler.load_state_dict(state["scaler"])
         self._scaled = self.scaler.transform(self.table.values)
 
@@ -450,7 +494,12 @@ class BlockActive(ActiveMethod):
         self.own_name = cfg.active_name if cfg.active_columns else None
         self.secure = cfg.aggregation != "plain"
         self.n_classes = class_count(cfg.task, self.table.labels)
-        self.out_dim = output_dim(cfg.task, self.n_classes)
+        # a binary task with `two_logit_head`: heads Linear(d, 2) under softmax cross-entropy,
+        # as the paper's code (one logit under BCE is the same function class; Adam moves the
+        # two parameterisations at different speeds)
+        two = cfg.task == "binary" and bool(cfg.option("two_logit_head", False))
+        self.loss_task = "multiclass" if two else cfg.task
+        self.out_dim = output_dim(self.loss_task, self.n_classes)
         self.dead: list[str] = []
         self.own: nn.ModuleDict | None = None
         self.own_scaler = Standardizer()
@@ -768,7 +817,7 @@ class BlockActive(ActiveMethod):
 
     def classes_of(self, output: torch.Tensor) -> np.ndarray:
         out = output.detach().cpu().numpy()
-        if self.config.task == "binary":
+        if self.loss_task == "binary":
             return (out.reshape(-1) > 0).astype(np.int64)
         return out.argmax(axis=1).astype(np.int64)
 
@@ -992,7 +1041,7 @@ class LaserActive(BlockActive):
             return None, skipped
         subsets = list(dict.fromkeys(t.subset for t in tasks))
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
-        loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids), self.config.task)
+        loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids), self.loss_task)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.send_gradients(ctx, ids, leaves, epoch=epoch)
@@ -1060,6 +1109,7 @@ SPEC = register_method(
         active=LaserActive,
         party=BlockParty,
         tasks=CLASSIFICATION,
+        dp_sgd=("parties",),
         description="LASER-VFL: a head per party over the mean of any subset of present parties",
         extra_checks=(
             option_checks("laser", extra_keys=("exact_objective", "families"), check=_check_laser),

@@ -238,6 +238,7 @@ SPEC = register_method(
         name="splitnn",
         active=SplitNNActive,
         party=SplitNNParty,
+        dp_sgd=("parties", "active"),
         description="split-NN baseline: summed party representations, head at the active party",
     )
 )

@@ -85,8 +85,9 @@ def read_labels(path: Path, *, id_column: str, label: str) -> tuple[np.ndarray, 
         reader = csv.reader(fh)
         header = next(reader, [])
         if id_column not in header or label not in header:
-            raise AuditError(f"{path} needs the columns {id_column!r} and {label!r}; "
-                             f"it has {header[:20]}")
+            raise AuditError(
+                f"{path} needs the columns {id_column!r} and {label!r}; it has {header[:20]}"
+            )
         i, j = header.index(id_column), header.index(label)
         rows = [(int(r[i]), float(r[j])) for r in reader if r]
     ids = np.array([r[0] for r in rows], dtype=np.int64)
@@ -133,16 +134,21 @@ def audit_run(
     if not path.exists():
         raise AuditError(f"no privacy ledger at {path}: is {run_dir} a securevfl run directory?")
     try:
-        report = audit(path, delta=delta, tolerate_torn_tail=True,
-                       accountant=accountant or manifest.get("accountant", "rdp"))
+        report = audit(
+            path,
+            delta=delta,
+            tolerate_torn_tail=True,
+            accountant=accountant or manifest.get("accountant", "rdp"),
+        )
     except LedgerError as exc:
         raise AuditError(str(exc)) from None
     if not attack:
         return report
     task = manifest.get("task", "binary")
     if task != "binary":
-        raise AuditError(f"--attack scores label inference on binary tasks; this run's task is "
-                         f"{task!r}")
+        raise AuditError(
+            f"--attack scores label inference on binary tasks; this run's task is {task!r}"
+        )
     files = sorted((run_dir / RECEIVED_DIR).glob("*.npz"))
     if not files:
         raise AuditError(
@@ -151,8 +157,9 @@ def audit_run(
         )
     active = manifest.get("active", "active")
     label_file = Path(labels) if labels is not None else run_dir / "data" / f"{active}.csv"
-    ids, y = read_labels(label_file, id_column=manifest.get("id_column", "ID"),
-                         label=manifest.get("label", "Y"))
+    ids, y = read_labels(
+        label_file, id_column=manifest.get("id_column", "ID"), label=manifest.get("label", "Y")
+    )
     for f in files:
         received = ReceivedGradients.load(f)
         for name, m in received_leakage(received, ids=ids, labels=y).items():
@@ -166,10 +173,13 @@ def epsilon_summary(report: AuditReport) -> dict[str, Any]:
     released with no formal guarantee."""
     return {
         "accountant": report.accountant,
-        "epsilon": {f"{r.role}/{r.mechanism}": (r.epsilon if math.isfinite(r.epsilon) else None)
-                    for r in report.rows},
+        "epsilon": {
+            f"{r.role}/{r.mechanism}": (r.epsilon if math.isfinite(r.epsilon) else None)
+            for r in report.rows
+        },
         "delta": {f"{r.role}/{r.mechanism}": r.delta for r in report.rows},
         "steps": {f"{r.role}/{r.mechanism}": r.steps for r in report.rows},
-        "unprotected": [{"role": u.role, "what": u.what, "count": u.count}
-                        for u in report.unprotected],
+        "unprotected": [
+            {"role": u.role, "what": u.what, "count": u.count} for u in report.unprotected
+        ],
     }

@@ -110,13 +110,19 @@ def resolve_delta(cfg: RunConfig, *, n_train: int) -> float:
     return float(cfg.delta)
 
 
-def _sigma(dp: DPConfig, key: str, *, delta: float, accountant: str, sample_rate: float,
-           steps: int) -> tuple[float, bool]:
+def _sigma(
+    dp: DPConfig, key: str, *, delta: float, accountant: str, sample_rate: float, steps: int
+) -> tuple[float, bool]:
     if dp.noise_multiplier is not None:
         return float(dp.noise_multiplier), False
     try:
-        sigma = calibrate_noise(target_epsilon=float(dp.target_epsilon), delta=delta,
-                                sample_rate=sample_rate, steps=steps, accountant=accountant)
+        sigma = calibrate_noise(
+            target_epsilon=float(dp.target_epsilon),
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=accountant,
+        )
     except ValueError as exc:
         raise ConfigError(f"{key}.target_epsilon", str(exc)) from None
     return sigma, True
@@ -142,8 +148,10 @@ def plan_role(cfg: RunConfig, *, role: str, n_train: int) -> RolePlan:
     else:
         party = cfg.party(role)
         label, embedding, sgd = None, party.embedding_dp, party.dp_sgd
-        keys = {"embedding_dp": f"[parties.{role}] embedding_dp",
-                "dp_sgd": f"[parties.{role}] dp_sgd"}
+        keys = {
+            "embedding_dp": f"[parties.{role}] embedding_dp",
+            "dp_sgd": f"[parties.{role}] dp_sgd",
+        }
         max_epsilon, max_key = party.max_epsilon, f"[parties.{role}] max_epsilon"
     built: dict[str, Mechanism] = {}
     calibrated: list[tuple[str, float]] = []
@@ -154,28 +162,56 @@ def plan_role(cfg: RunConfig, *, role: str, n_train: int) -> RolePlan:
     ):
         if dp is None:
             continue
-        sigma, was_calibrated = _sigma(dp, keys[name], delta=delta, accountant=accountant,
-                                       sample_rate=q, steps=steps)
+        sigma, was_calibrated = _sigma(
+            dp, keys[name], delta=delta, accountant=accountant, sample_rate=q, steps=steps
+        )
         if was_calibrated:
             calibrated.append((name, sigma))
         built[name] = cls(noise_multiplier=sigma, clip=dp.clip)
         if max_epsilon is not None:
-            _check_one_step(role, built[name], q=q if name == "dp_sgd" else 1.0, delta=delta,
-                            accountant=accountant, max_epsilon=max_epsilon, max_key=max_key,
-                            mechanism_key=keys[name])
+            _check_one_step(
+                role,
+                built[name],
+                q=q if name == "dp_sgd" else 1.0,
+                delta=delta,
+                accountant=accountant,
+                max_epsilon=max_epsilon,
+                max_key=max_key,
+                mechanism_key=keys[name],
+            )
     return RolePlan(
-        role=role, n_train=int(n_train), delta=delta, accountant=accountant,
-        max_epsilon=max_epsilon, max_epsilon_key=max_key,
-        label_dp=built.get("label_dp"), embedding_dp=built.get("embedding_dp"),
-        dp_sgd=built.get("dp_sgd"), dp_sgd_sample_rate=sample_rate,
+        role=role,
+        n_train=int(n_train),
+        delta=delta,
+        accountant=accountant,
+        max_epsilon=max_epsilon,
+        max_epsilon_key=max_key,
+        label_dp=built.get("label_dp"),
+        embedding_dp=built.get("embedding_dp"),
+        dp_sgd=built.get("dp_sgd"),
+        dp_sgd_sample_rate=sample_rate,
         calibrated=tuple(calibrated),
     )
 
 
-def _check_one_step(role: str, mechanism: Mechanism, *, q: float, delta: float, accountant: str,
-                    max_epsilon: float, max_key: str, mechanism_key: str) -> None:
-    budget = PrivacyBudget(role=role, mechanism=mechanism.name, max_epsilon=max_epsilon,
-                           delta=delta, accountant=accountant)
+def _check_one_step(
+    role: str,
+    mechanism: Mechanism,
+    *,
+    q: float,
+    delta: float,
+    accountant: str,
+    max_epsilon: float,
+    max_key: str,
+    mechanism_key: str,
+) -> None:
+    budget = PrivacyBudget(
+        role=role,
+        mechanism=mechanism.name,
+        max_epsilon=max_epsilon,
+        delta=delta,
+        accountant=accountant,
+    )
     one = budget.epsilon_after(history_so_far=[], next_step=(mechanism.noise_multiplier, q, 1))
     if one > max_epsilon:
         raise ConfigError(
@@ -211,12 +247,14 @@ class RolePrivacy:
         self._left: dict[str, tuple[tuple[float, float], int]] = {}
         self._rows: np.ndarray | None = None
         self._releases: dict[str, RowReleases] = {}
-        self._unprotected = {
-            (e["role"], e["what"]) for e in ledger.events if isinstance(e, dict)
-        }
+        self._unprotected = {(e["role"], e["what"]) for e in ledger.events if isinstance(e, dict)}
         for name, sigma in plan.calibrated:
-            logger.info("%s: %s noise multiplier %.4g calibrated from its target epsilon",
-                        self.role, name, sigma)
+            logger.info(
+                "%s: %s noise multiplier %.4g calibrated from its target epsilon",
+                self.role,
+                name,
+                sigma,
+            )
 
     @property
     def delta(self) -> float:
@@ -232,17 +270,30 @@ class RolePrivacy:
 
     def steps_spent(self, mechanism: str) -> int:
         """Steps of ``mechanism`` this role has in the ledger (earlier runs included)."""
-        return sum(e.steps for e in self.ledger.events
-                   if isinstance(e, LedgerEvent) and e.role == self.role
-                   and e.mechanism == mechanism)
+        return sum(
+            e.steps
+            for e in self.ledger.events
+            if isinstance(e, LedgerEvent) and e.role == self.role and e.mechanism == mechanism
+        )
 
     def _budget(self, mechanism: str) -> PrivacyBudget:
-        return PrivacyBudget(role=self.role, mechanism=mechanism,
-                             max_epsilon=float(self.plan.max_epsilon), delta=self.delta,
-                             accountant=self.accountant)
+        return PrivacyBudget(
+            role=self.role,
+            mechanism=mechanism,
+            max_epsilon=float(self.plan.max_epsilon),
+            delta=self.delta,
+            accountant=self.accountant,
+        )
 
-    def charge(self, mechanism: Mechanism, *, steps: int = 1, sample_rate: float = 1.0,
-               epoch: int | None = None, note: str = "") -> LedgerEvent:
+    def charge(
+        self,
+        mechanism: Mechanism,
+        *,
+        steps: int = 1,
+        sample_rate: float = 1.0,
+        epoch: int | None = None,
+        note: str = "",
+    ) -> LedgerEvent:
         """Check the budget for ``steps`` more steps of ``mechanism``, then record them.
 
         Raises `BudgetExceeded` (nothing recorded) when they would take the role past its
@@ -252,9 +303,15 @@ class RolePrivacy:
         epoch = self.epoch if epoch is None else epoch
         if self.plan.max_epsilon is not None:
             self._check(mechanism, steps=steps, sample_rate=sample_rate, epoch=epoch)
-        return self.ledger.record_release(mechanism, role=self.role, delta=self.delta,
-                                          steps=steps, epoch=epoch, sample_rate=sample_rate,
-                                          note=note)
+        return self.ledger.record_release(
+            mechanism,
+            role=self.role,
+            delta=self.delta,
+            steps=steps,
+            epoch=epoch,
+            sample_rate=sample_rate,
+            note=note,
+        )
 
     def _check(self, mechanism: Mechanism, *, steps: int, sample_rate: float, epoch: int) -> None:
         # how many more steps fit is computed once per (sigma, q) with O(log k) accountant
@@ -264,26 +321,35 @@ class RolePrivacy:
         if cached is None or cached[0] != key or cached[1] < steps:
             budget = self._budget(mechanism.name)
             history = self.ledger.history(role=self.role, mechanism=mechanism.name)
-            left = budget.steps_that_fit(noise_multiplier=key[0], sample_rate=key[1],
-                                         history_so_far=history)
+            left = budget.steps_that_fit(
+                noise_multiplier=key[0], sample_rate=key[1], history_so_far=history
+            )
             if left < steps:
-                reached = budget.epsilon_after(history_so_far=history,
-                                               next_step=(key[0], key[1], steps))
-                raise BudgetExceeded(role=self.role, mechanism=mechanism.name,
-                                     max_epsilon=budget.max_epsilon, epsilon=reached,
-                                     delta=self.delta, epoch=epoch + 1)
+                reached = budget.epsilon_after(
+                    history_so_far=history, next_step=(key[0], key[1], steps)
+                )
+                raise BudgetExceeded(
+                    role=self.role,
+                    mechanism=mechanism.name,
+                    max_epsilon=budget.max_epsilon,
+                    epsilon=reached,
+                    delta=self.delta,
+                    epoch=epoch + 1,
+                )
             cached = (key, left)
         self._left[mechanism.name] = (key, cached[1] - steps)
 
-    def record_unprotected_once(self, *, what: str, reason: str, role: str | None = None,
-                                epoch: int | None = None) -> bool:
+    def record_unprotected_once(
+        self, *, what: str, reason: str, role: str | None = None, epoch: int | None = None
+    ) -> bool:
         """Record a release with no formal guarantee unless the ledger already has one for the
         same (role, what); returns whether it recorded."""
         role = role or self.role
         if (role, what) in self._unprotected:
             return False
-        self.ledger.record_unprotected(role=role, what=what, reason=reason,
-                                       epoch=self.epoch if epoch is None else epoch)
+        self.ledger.record_unprotected(
+            role=role, what=what, reason=reason, epoch=self.epoch if epoch is None else epoch
+        )
         self._unprotected.add((role, what))
         return True
 
@@ -292,8 +358,9 @@ class RolePrivacy:
             self._releases[mechanism.name] = RowReleases(self, mechanism, universe=self._rows)
         return self._releases[mechanism.name]
 
-    def release_gradients(self, grads: Mapping[str, np.ndarray], *, ids: np.ndarray | None,
-                          epoch: int) -> dict[str, np.ndarray]:
+    def release_gradients(
+        self, grads: Mapping[str, np.ndarray], *, ids: np.ndarray | None, epoch: int
+    ) -> dict[str, np.ndarray]:
         """The active party's gradients as they may leave it: with label DP, every row clipped
         jointly over all of ``grads`` and noised (charged first); without it, unchanged, and
         the ledger says once that gradients went out with no formal guarantee."""
@@ -301,14 +368,15 @@ class RolePrivacy:
             self.record_unprotected_once(
                 what="gradients returned to the passive parties",
                 reason="no [privacy] label_dp: the gradients carry label information "
-                       "(measure it with `securevfl audit RUN_DIR --attack`)",
+                "(measure it with `securevfl audit RUN_DIR --attack`)",
                 epoch=epoch,
             )
             return dict(grads)
         return self._rows_of(self.plan.label_dp).release(grads, ids=ids, epoch=epoch)
 
-    def release_contributions(self, values: Mapping[str, np.ndarray], *, ids: np.ndarray,
-                              epoch: int | None = None) -> dict[str, np.ndarray]:
+    def release_contributions(
+        self, values: Mapping[str, np.ndarray], *, ids: np.ndarray, epoch: int | None = None
+    ) -> dict[str, np.ndarray]:
         """A passive party's contributions of one call with embedding DP: each row clipped
         jointly over all of ``values`` and noised (charged first). Unchanged without it."""
         if self.plan.embedding_dp is None or not values:
@@ -325,9 +393,14 @@ class RolePrivacy:
 
     def spent(self) -> dict[str, float]:
         """Epsilon this role has spent so far, per mechanism (at the run's delta)."""
-        return {m.name: epsilon(history=self.ledger.history(role=self.role, mechanism=m.name),
-                                delta=self.delta, accountant=self.accountant)
-                for m in self.plan.mechanisms}
+        return {
+            m.name: epsilon(
+                history=self.ledger.history(role=self.role, mechanism=m.name),
+                delta=self.delta,
+                accountant=self.accountant,
+            )
+            for m in self.plan.mechanisms
+        }
 
 
 class RowReleases:
@@ -343,14 +416,18 @@ class RowReleases:
     touched every row once per ``N`` rows it released in its epoch.
     """
 
-    def __init__(self, privacy: RolePrivacy, mechanism: ReleaseMechanism, *,
-                 universe: np.ndarray | None) -> None:
+    def __init__(
+        self, privacy: RolePrivacy, mechanism: ReleaseMechanism, *, universe: np.ndarray | None
+    ) -> None:
         self.privacy = privacy
         self.mechanism = mechanism
         self.base = privacy.steps_spent(mechanism.name)
         self.recorded = self.base
-        self.ids = (np.unique(np.asarray(universe, dtype=np.int64)) if universe is not None
-                    else np.empty(0, dtype=np.int64))
+        self.ids = (
+            np.unique(np.asarray(universe, dtype=np.int64))
+            if universe is not None
+            else np.empty(0, dtype=np.int64)
+        )
         self.counts = np.full(len(self.ids), self.base, dtype=np.int64)
         self._anonymous_rows: dict[int, int] = {}
         self._anonymous_steps = 0
@@ -362,8 +439,9 @@ class RowReleases:
             raise ValueError(f"{self.mechanism.name}: release of rows this role was not told of")
         return pos
 
-    def release(self, values: Mapping[str, np.ndarray], *, ids: np.ndarray | None,
-                epoch: int) -> dict[str, np.ndarray]:
+    def release(
+        self, values: Mapping[str, np.ndarray], *, ids: np.ndarray | None, epoch: int
+    ) -> dict[str, np.ndarray]:
         """Charge the release if it raises the most-used row's count, then clip and noise."""
         rows = int(np.shape(next(iter(values.values())))[0])
         counts = self.counts
@@ -377,8 +455,12 @@ class RowReleases:
             np.add.at(counts, self._positions(ids), 1)
         new_max = int(counts.max(initial=self.base)) + anonymous
         if new_max > self.recorded:
-            self.privacy.charge(self.mechanism, steps=new_max - self.recorded, epoch=epoch,
-                                note="per-row uses, no amplification")
+            self.privacy.charge(
+                self.mechanism,
+                steps=new_max - self.recorded,
+                epoch=epoch,
+                note="per-row uses, no amplification",
+            )
             self.recorded = new_max
         self.counts = counts
         self._anonymous_steps = anonymous
@@ -387,8 +469,9 @@ class RowReleases:
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in values.items()}
         with torch.no_grad():
             noised = self.mechanism.apply(tensors)
-        return {k: noised[k].numpy().astype(np.asarray(values[k]).dtype, copy=False)
-                for k in values}
+        return {
+            k: noised[k].numpy().astype(np.asarray(values[k]).dtype, copy=False) for k in values
+        }
 
 
 # ------------------------------------------------------------------------------- DP-SGD
@@ -406,9 +489,15 @@ class PrivateTraining:
     gradient rows a party receives carry 1/B).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 privacy: RolePrivacy | None, expected_batch_size: int,
-                 loss_reduction: str = "mean") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        privacy: RolePrivacy | None,
+        expected_batch_size: int,
+        loss_reduction: str = "mean",
+    ) -> None:
         self.privacy = privacy
         self.mechanism = privacy.plan.dp_sgd if privacy is not None else None
         self.module = model
@@ -416,8 +505,11 @@ class PrivateTraining:
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = self.mechanism.wrap(
-                model, optimizer, expected_batch_size=expected_batch_size,
-                loss_reduction=loss_reduction)
+                model,
+                optimizer,
+                expected_batch_size=expected_batch_size,
+                loss_reduction=loss_reduction,
+            )
             self.module = self.model._module
 
     @property
@@ -430,19 +522,33 @@ class PrivateTraining:
     def step(self, *, epoch: int | None = None) -> None:
         """Charge a DP-SGD step (raises `BudgetExceeded` before stepping), then step."""
         if self.mechanism is not None:
-            self.privacy.charge(self.mechanism, steps=1,
-                                sample_rate=self.privacy.plan.dp_sgd_sample_rate, epoch=epoch,
-                                note="DP-SGD step; amplified for observers of the model only")
+            self.privacy.charge(
+                self.mechanism,
+                steps=1,
+                sample_rate=self.privacy.plan.dp_sgd_sample_rate,
+                epoch=epoch,
+                note="DP-SGD step; amplified for observers of the model only",
+            )
         self.optimizer.step()
 
 
-def private_training(owner: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                     expected_batch_size: int, loss_reduction: str = "mean") -> PrivateTraining:
+def private_training(
+    owner: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    expected_batch_size: int,
+    loss_reduction: str = "mean",
+) -> PrivateTraining:
     """`PrivateTraining` with the `RolePrivacy` the role gave ``owner`` (a method, or the
     active party's context) as its ``privacy`` attribute; plain training when there is none."""
-    return PrivateTraining(model, optimizer, privacy=getattr(owner, "privacy", None),
-                           expected_batch_size=expected_batch_size,
-                           loss_reduction=loss_reduction)
+    return PrivateTraining(
+        model,
+        optimizer,
+        privacy=getattr(owner, "privacy", None),
+        expected_batch_size=expected_batch_size,
+        loss_reduction=loss_reduction,
+    )
 
 
 # ------------------------------------------------------------------------------- received
@@ -464,8 +570,7 @@ class ReceivedGradients:
         self._parts: dict[str, list[tuple[np.ndarray, ...]]] = {}
         if self.path.exists():  # a resumed run keeps what the first part received
             for name, block in self.load(self.path).items():
-                self._parts[name] = [(block["ids"], block["epoch"], block["batch"],
-                                      block["grads"])]
+                self._parts[name] = [(block["ids"], block["epoch"], block["batch"], block["grads"])]
 
     def add(self, tensors: Mapping[str, np.ndarray], *, ids: np.ndarray, epoch: int) -> None:
         ids = np.asarray(ids, dtype=np.int64)
@@ -474,10 +579,14 @@ class ReceivedGradients:
             v = np.asarray(value)
             if v.ndim < 1 or v.shape[0] != n or not np.issubdtype(v.dtype, np.floating):
                 continue
-            self._parts.setdefault(name, []).append((
-                ids, np.full(n, epoch, dtype=np.int64), np.full(n, n, dtype=np.int64),
-                v.reshape(n, -1).astype(np.float32),
-            ))
+            self._parts.setdefault(name, []).append(
+                (
+                    ids,
+                    np.full(n, epoch, dtype=np.int64),
+                    np.full(n, n, dtype=np.int64),
+                    v.reshape(n, -1).astype(np.float32),
+                )
+            )
 
     def save(self) -> Path | None:
         if not self._parts:
@@ -498,5 +607,7 @@ class ReceivedGradients:
         """name -> {"ids", "epoch", "batch", "grads"}; refuses pickled content."""
         with np.load(path, allow_pickle=False) as data:
             names = [str(n) for n in data["names"]]
-            return {name: {f: data[f"t{i}_{f}"] for f in ("ids", "epoch", "batch", "grads")}
-                    for i, name in enumerate(names)}
+            return {
+                name: {f: data[f"t{i}_{f}"] for f in ("ids", "epoch", "batch", "grads")}
+                for i, name in enumerate(names)
+            }

@@ -114,7 +114,10 @@ class PassiveParty:
 
     def _setup_privacy(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         """Resolve this party's DP (N is known now) and give the method its `RolePrivacy`."""
-        plan = plan_role(self.cfg, role=self.name, n_train=len(inputs["train_ids"]))
+        # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
+        # must not count rows the party never trains on
+        held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
+        plan = plan_role(self.cfg, role=self.name, n_train=held)
         self.privacy = RolePrivacy(plan=plan, ledger=self.ledger)
         self.privacy.set_rows(inputs["all_ids"])
         self.method.privacy = self.privacy

@@ -21,15 +21,13 @@ def plain_run(small_federation):
     raw, d = small_federation
     raw["run"]["aggregation"] = "plain"
     raw["train"]["epochs"] = 2
-    raw["privacy"] = {"label_dp": {"noise_multiplier": 1.0, "clip": 1.0},
-                      "record_received": True}
+    raw["privacy"] = {"label_dp": {"noise_multiplier": 1.0, "clip": 1.0}, "record_received": True}
     code, _ = run_federation(make_config(raw, d), out=d / "run")
     assert code == 0
     return d / "run"
 
 
-def test_audit_prints_epsilon_per_role_and_mechanism_and_unprotected_releases(plain_run,
-                                                                              capsys):
+def test_audit_prints_epsilon_per_role_and_mechanism_and_unprotected_releases(plain_run, capsys):
     assert cli_main(["audit", str(plain_run)]) == 0
     out = capsys.readouterr().out
     assert f"Privacy audit of {plain_run / LEDGER_FILENAME}" in out
@@ -37,8 +35,9 @@ def test_audit_prints_epsilon_per_role_and_mechanism_and_unprotected_releases(pl
     assert label_line.split()[:3] == ["active", "label_dp", "5.42"]  # sigma 1, 2 steps
     assert f"Releases with {NO_GUARANTEE}:" in out
     for party in ("alpha", "beta", "gamma"):
-        assert any(line.startswith(party) and "aggregation = plain" in line
-                   for line in out.splitlines())
+        assert any(
+            line.startswith(party) and "aggregation = plain" in line for line in out.splitlines()
+        )
 
 
 def test_audit_attack_scores_each_party_and_says_whose_labels_it_used(plain_run, capsys):
@@ -82,9 +81,9 @@ def test_run_exits_3_when_a_party_budget_runs_out_and_the_audit_shows_it(small_f
     done = securevfl_cli("run", str(config), "--out", str(d / "run"), timeout=180)
     assert done.returncode == P.EXIT_BUDGET, done.stderr
     assert "privacy budget exhausted for role 'gamma', mechanism 'embedding_dp' at epoch 3" in (
-        done.stderr)
+        done.stderr
+    )
     audited = securevfl_cli("audit", str(d / "run"), "--json", timeout=60)
     assert audited.returncode == 0, audited.stderr
-    row = next(m for m in json.loads(audited.stdout)["mechanisms"]
-               if m["role"] == "gamma")
+    row = next(m for m in json.loads(audited.stdout)["mechanisms"] if m["role"] == "gamma")
     assert row["mechanism"] == "embedding_dp" and row["steps"] == 2 and row["epsilon"] <= 2.5

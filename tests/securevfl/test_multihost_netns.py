@@ -71,8 +71,14 @@ def hosts():
 def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
     raw, d = small_federation
     agg_ip = hosts["aggregator"][1]
-    raw["network"].update({"aggregator": f"tcp://{agg_ip}:5555", "bind": f"tcp://{agg_ip}:5555",
-                           "keys": "keys", "startup_timeout": 60.0})
+    raw["network"].update(
+        {
+            "aggregator": f"tcp://{agg_ip}:5555",
+            "bind": f"tcp://{agg_ip}:5555",
+            "keys": "keys",
+            "startup_timeout": 60.0,
+        }
+    )
     config = write_toml(raw, d / "config.toml")
     assert securevfl_cli("keys", "--config", str(config), "--out", str(d / "keys")).returncode == 0
     split = securevfl_cli("split", "--config", str(config), "--out", str(d / "split"))
@@ -86,10 +92,23 @@ def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
             args = ["active", "--data", str(d / "split" / "data" / "active.csv")]
         else:
             args = ["party", "--name", role, "--data", str(d / "split" / "data" / f"{role}.csv")]
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "securevfl", *args,
-               "--config", str(config), "--out", str(d / "hosts" / role)]
-        procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            sys.executable,
+            "-m",
+            "securevfl",
+            *args,
+            "--config",
+            str(config),
+            "--out",
+            str(d / "hosts" / role),
+        ]
+        procs[role] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     try:
         results = {r: p.communicate(timeout=240) for r, p in procs.items()}
     finally:
@@ -102,6 +121,7 @@ def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
     assert metrics["test"]["accuracy"] > 0.7
     # each role ran on its own "host" (namespace) and sent real traffic over TCP
     assert {r: v["bytes_sent"] > 0 for r, v in metrics["roles"].items()} == dict.fromkeys(
-        hosts, True)
+        hosts, True
+    )
     agg_log = (d / "hosts" / "aggregator" / "logs" / "aggregator.log").read_text()
     assert f"tcp://{agg_ip}:5555" in agg_log

@@ -55,8 +55,9 @@ def opacus_rdp(steps: list[tuple[float, float]], delta: float) -> float:
 
 def test_ledger_has_one_event_per_use_and_step_before_metrics(dp_run):
     run_dir, metrics = dp_run
-    events = [e for e in PrivacyLedger.read(run_dir / LEDGER_FILENAME)
-              if isinstance(e, LedgerEvent)]
+    events = [
+        e for e in PrivacyLedger.read(run_dir / LEDGER_FILENAME) if isinstance(e, LedgerEvent)
+    ]
     by = {}
     for e in events:
         by.setdefault((e.role, e.mechanism), []).append(e)
@@ -64,8 +65,11 @@ def test_ledger_has_one_event_per_use_and_step_before_metrics(dp_run):
     assert [e.steps for e in by[("active", "label_dp")]] == [1, 1, 1]
     assert [e.epoch for e in by[("active", "label_dp")]] == [0, 1, 2]
     assert [e.steps for e in by[("alpha", "embedding_dp")]] == [1, 1, 1]
-    assert all(e.sample_rate == 1.0 and not e.amplified
-               for key in (("active", "label_dp"), ("alpha", "embedding_dp")) for e in by[key])
+    assert all(
+        e.sample_rate == 1.0 and not e.amplified
+        for key in (("active", "label_dp"), ("alpha", "embedding_dp"))
+        for e in by[key]
+    )
     # DP-SGD: one event per optimizer step, amplified at batch / N
     steps = 3 * math.ceil(N_TRAIN / BATCH)
     for role in ("active", "beta"):
@@ -97,8 +101,9 @@ def test_audit_epsilon_equals_opacus_for_each_mechanism(dp_run, capsys):
 
 def test_audit_with_prv_and_another_delta_equals_opacus(dp_run, capsys):
     run_dir, _ = dp_run
-    assert cli_main(["audit", str(run_dir), "--json", "--accountant", "prv",
-                     "--delta", "1e-4"]) == 0
+    assert (
+        cli_main(["audit", str(run_dir), "--json", "--accountant", "prv", "--delta", "1e-4"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     row = next(m for m in report["mechanisms"] if m["mechanism"] == "label_dp")
     acc = PRVAccountant()
@@ -122,10 +127,11 @@ def budget_raw(raw: dict, *, where: str) -> dict:
     return raw
 
 
-@pytest.mark.parametrize(("where", "role", "mechanism"),
-                         [("active", "active", "label_dp"), ("party", "beta", "embedding_dp")])
-def test_budget_stops_everyone_at_the_last_step_that_fits(small_federation, where, role,
-                                                          mechanism):
+@pytest.mark.parametrize(
+    ("where", "role", "mechanism"),
+    [("active", "active", "label_dp"), ("party", "beta", "embedding_dp")],
+)
+def test_budget_stops_everyone_at_the_last_step_that_fits(small_federation, where, role, mechanism):
     raw, d = small_federation
     cfg = make_config(budget_raw(raw, where=where), d)
     code, metrics = run_federation(cfg, out=d / "run")
@@ -161,18 +167,34 @@ def test_resume_after_a_budget_stop_with_a_larger_budget_finishes(small_federati
     ("edit", "words"),
     [
         ({"privacy": {"delta": 0.01}}, "[privacy] delta: must be smaller than 1/N"),
-        ({"privacy": {"label_dp": {"noise_multiplier": 0.5, "clip": 1.0}},
-          "active": {"max_epsilon": 1.0}}, "[active] max_epsilon: max_epsilon = 1 cannot pay"),
-        ({"parties": {"alpha": {"dp_sgd": {"noise_multiplier": 0.3, "clip": 1.0},
-                                "max_epsilon": 0.1}}},
-         "[parties.alpha] max_epsilon: max_epsilon = 0.1 cannot pay for a single dp_sgd"),
-        ({"privacy": {"label_dp": {"noise_multiplier": 0.0, "clip": 1.0}}},
-         "[privacy] label_dp.noise_multiplier: must be > 0.0"),
-        ({"parties": {"alpha": {"embedding_dp": {"noise_multiplier": 1.0, "clip": -1}}}},
-         "[parties.alpha] embedding_dp.clip: must be > 0.0"),
+        (
+            {
+                "privacy": {"label_dp": {"noise_multiplier": 0.5, "clip": 1.0}},
+                "active": {"max_epsilon": 1.0},
+            },
+            "[active] max_epsilon: max_epsilon = 1 cannot pay",
+        ),
+        (
+            {
+                "parties": {
+                    "alpha": {"dp_sgd": {"noise_multiplier": 0.3, "clip": 1.0}, "max_epsilon": 0.1}
+                }
+            },
+            "[parties.alpha] max_epsilon: max_epsilon = 0.1 cannot pay for a single dp_sgd",
+        ),
+        (
+            {"privacy": {"label_dp": {"noise_multiplier": 0.0, "clip": 1.0}}},
+            "[privacy] label_dp.noise_multiplier: must be > 0.0",
+        ),
+        (
+            {"parties": {"alpha": {"embedding_dp": {"noise_multiplier": 1.0, "clip": -1}}}},
+            "[parties.alpha] embedding_dp.clip: must be > 0.0",
+        ),
         ({"privacy": {"accountant": "gdp"}}, "[privacy] accountant: unknown value 'gdp'"),
-        ({"privacy": {"label_dp": {"target_epsilon": 1e-9, "clip": 1.0}}},
-         "[privacy] label_dp.target_epsilon"),
+        (
+            {"privacy": {"label_dp": {"target_epsilon": 1e-9, "clip": 1.0}}},
+            "[privacy] label_dp.target_epsilon",
+        ),
     ],
 )
 def test_bad_privacy_settings_exit_2_naming_the_key(small_federation, capsys, edit, words):
@@ -232,8 +254,7 @@ def test_attack_reads_labels_from_received_gradients_without_dp(small_federation
 
 
 def test_label_dp_brings_the_attack_near_chance(small_federation):
-    report = attack_run(small_federation,
-                        {"label_dp": {"target_epsilon": 1.0, "clip": 0.5}})
+    report = attack_run(small_federation, {"label_dp": {"target_epsilon": 1.0, "clip": 0.5}})
     for m in report.leakage.values():
         assert m.direction_auc <= 0.65 and m.norm_auc <= 0.65
     assert report.row("active", "label_dp").epsilon <= 1.0
@@ -265,8 +286,7 @@ def test_credit_label_leakage_without_and_with_label_dp(tmp_path, eps, low, high
     sys.path.insert(0, str(REPO / "bench"))
     from privacy_utility import credit_config
 
-    raw = credit_config(data=CREDIT, seed=0, epochs=2, eps=eps, clip=0.5, batch_size=256,
-                        lr=1e-3)
+    raw = credit_config(data=CREDIT, seed=0, epochs=2, eps=eps, clip=0.5, batch_size=256, lr=1e-3)
     cfg = make_config(raw, tmp_path)
     code, _ = run_federation(cfg, out=tmp_path / "run")
     assert code == 0

@@ -37,8 +37,10 @@ def config(small_federation, **privacy):
 
 
 def role_privacy(tmp_path, cfg, role="active", n_train=1000) -> RolePrivacy:
-    privacy = RolePrivacy(plan=plan_role(cfg, role=role, n_train=n_train),
-                          ledger=PrivacyLedger(tmp_path / LEDGER_FILENAME))
+    privacy = RolePrivacy(
+        plan=plan_role(cfg, role=role, n_train=n_train),
+        ledger=PrivacyLedger(tmp_path / LEDGER_FILENAME),
+    )
     privacy.set_rows(np.arange(n_train))
     return privacy
 
@@ -52,17 +54,21 @@ def test_delta_defaults_to_a_power_of_ten_below_one_over_n(small_federation):
 
 
 def test_target_epsilon_is_calibrated_per_mechanism_for_the_whole_schedule(small_federation):
-    cfg = config(small_federation,
-                 privacy__label_dp={"target_epsilon": 2.0, "clip": 1.0},
-                 parties__alpha__dp_sgd={"target_epsilon": 3.0, "clip": 1.0})
+    cfg = config(
+        small_federation,
+        privacy__label_dp={"target_epsilon": 2.0, "clip": 1.0},
+        parties__alpha__dp_sgd={"target_epsilon": 3.0, "clip": 1.0},
+    )
     active = plan_role(cfg, role="active", n_train=1000)
     assert active.label_dp.noise_multiplier == calibrate_noise(
-        target_epsilon=2.0, delta=1e-4, sample_rate=1.0, steps=cfg.epochs)
+        target_epsilon=2.0, delta=1e-4, sample_rate=1.0, steps=cfg.epochs
+    )
     alpha = plan_role(cfg, role="alpha", n_train=1000)
     q = cfg.batch_size / 1000
     assert alpha.dp_sgd_sample_rate == q
     assert alpha.dp_sgd.noise_multiplier == calibrate_noise(
-        target_epsilon=3.0, delta=1e-4, sample_rate=q, steps=cfg.epochs * math.ceil(1000 / 64))
+        target_epsilon=3.0, delta=1e-4, sample_rate=q, steps=cfg.epochs * math.ceil(1000 / 64)
+    )
     assert dict(alpha.calibrated) == {"dp_sgd": alpha.dp_sgd.noise_multiplier}
 
 
@@ -89,8 +95,11 @@ def test_release_without_ids_counts_n_rows_per_epoch_as_one_use(tmp_path, small_
 
 
 def test_budget_is_checked_before_the_event_is_written(tmp_path, small_federation):
-    cfg = config(small_federation, privacy__label_dp={"noise_multiplier": 2.0, "clip": 1.0},
-                 active__max_epsilon=3.2)
+    cfg = config(
+        small_federation,
+        privacy__label_dp={"noise_multiplier": 2.0, "clip": 1.0},
+        active__max_epsilon=3.2,
+    )
     privacy = role_privacy(tmp_path, cfg, n_train=100)
     g = {"g": np.ones((100, 2), dtype=np.float32)}
     for epoch in range(3):
@@ -104,23 +113,28 @@ def test_budget_is_checked_before_the_event_is_written(tmp_path, small_federatio
 
 
 def test_a_budget_too_small_for_one_step_is_a_config_error(small_federation):
-    cfg = config(small_federation, parties__beta__embedding_dp={"noise_multiplier": 0.5,
-                                                                "clip": 1.0},
-                 parties__beta__max_epsilon=1.0)
-    with pytest.raises(ConfigError, match=r"\[parties\.beta\] max_epsilon: .* single "
-                                          r"embedding_dp step"):
+    cfg = config(
+        small_federation,
+        parties__beta__embedding_dp={"noise_multiplier": 0.5, "clip": 1.0},
+        parties__beta__max_epsilon=1.0,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"\[parties\.beta\] max_epsilon: .* single "
+        r"embedding_dp step",
+    ):
         plan_role(cfg, role="beta", n_train=1000)
     plan_role(cfg, role="alpha", n_train=1000)  # another party's budget is not alpha's
 
 
 def test_dp_sgd_step_charges_one_amplified_event_then_steps(tmp_path, small_federation):
-    cfg = config(small_federation, parties__alpha__dp_sgd={"noise_multiplier": 1.0,
-                                                          "clip": 1.0})
+    cfg = config(small_federation, parties__alpha__dp_sgd={"noise_multiplier": 1.0, "clip": 1.0})
     privacy = role_privacy(tmp_path, cfg, role="alpha", n_train=640)
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    training = PrivateTraining(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               privacy=privacy, expected_batch_size=64)
+    training = PrivateTraining(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), privacy=privacy, expected_batch_size=64
+    )
     assert training.private and training.module is model
     before = model.weight.detach().clone()
     out = training.model(torch.randn(64, 3))
@@ -135,8 +149,9 @@ def test_plain_training_passes_through(tmp_path, small_federation):
     cfg = config(small_federation)
     privacy = role_privacy(tmp_path, cfg, role="alpha")
     model = nn.Linear(3, 2)
-    training = PrivateTraining(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               privacy=privacy, expected_batch_size=64)
+    training = PrivateTraining(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), privacy=privacy, expected_batch_size=64
+    )
     assert not training.private and training.model is model
     training.model(torch.randn(4, 3)).sum().backward()
     training.step(epoch=0)
@@ -146,8 +161,7 @@ def test_plain_training_passes_through(tmp_path, small_federation):
 def test_received_gradients_round_trip_without_pickle_and_survive_resume(tmp_path):
     path = tmp_path / "received" / "alpha.npz"
     rec = ReceivedGradients(path)
-    rec.add({"grad": np.ones((3, 2)), "count": np.array([3])}, ids=np.array([4, 5, 6]),
-            epoch=0)
+    rec.add({"grad": np.ones((3, 2)), "count": np.array([3])}, ids=np.array([4, 5, 6]), epoch=0)
     rec.save()
     again = ReceivedGradients(path)  # a resumed run appends to what was kept
     again.add({"grad": np.zeros((2, 2))}, ids=np.array([1, 2]), epoch=1)
