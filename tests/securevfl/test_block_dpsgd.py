@@ -96,7 +96,7 @@ def test_dp_sgd_clips_and_noises_the_party_update(tmp_path):
         grad = np.ones_like(out["rep"]) / len(ids)
         party.handle("backward", ids=ids, args={}, inputs={"rep": grad})
         after = list(party.models.parameters())
-        updates.append(torch.cat([(a - b).reshape(-1) for a, b in zip(after, before)]))
+        updates.append(torch.cat([(a - b).reshape(-1) for a, b in zip(after, before, strict=True)]))
         if privacy is not None:
             assert privacy.charged == 1
             assert party.private and party.state_dict()["optimizers"]
