@@ -94,10 +94,7 @@ class LocalActive(BlockActive):
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         y = self.labels_tensor(ids)
         loss = sum(task_loss(self.loss_task, self.heads[s[0]](sums[s]), y) for s in subsets)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.send_gradients(ctx, ids, leaves, epoch=epoch)
-        self.optimizer.step()
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach()), len(present) - len(subsets)
 
     def local_classes(
@@ -187,10 +184,7 @@ class StandardVFLActive(BlockActive):
         sums, leaves = self.forward_sums(ctx, ids, [present], train=True, epoch=epoch)
         out = self.heads["joint"](sums[present] / len(present))
         loss = task_loss(self.loss_task, out, self.labels_tensor(ids))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.send_gradients(ctx, ids, leaves, epoch=epoch)
-        self.optimizer.step()
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach()), 0
 
     def predict_rows(
@@ -278,10 +272,7 @@ class CombinatorialActive(BlockActive):
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         y = self.labels_tensor(ids)
         loss = sum(task_loss(self.loss_task, self.head_of(s)(sums[s] / len(s)), y) for s in subsets)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.send_gradients(ctx, ids, leaves, epoch=epoch)
-        self.optimizer.step()
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach()), len(every) - len(subsets)
 
     def predict_rows(
@@ -368,10 +359,7 @@ class PlugVFLActive(BlockActive):
             return None, 1
         sums, leaves = self.forward_sums(ctx, ids, [kept], train=True, epoch=epoch)
         loss = task_loss(self.loss_task, self.heads["joint"](sums[kept]), self.labels_tensor(ids))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.send_gradients(ctx, ids, leaves, epoch=epoch)
-        self.optimizer.step()
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach()), 0
 
     def predict_rows(
@@ -406,53 +394,55 @@ def _check_plug(cfg: RunConfig) -> None:
         )
 
 
-for _spec in (
-    MethodSpec(
-        name="local",
-        active=LocalActive,
-        party=BlockParty,
-        tasks=CLASSIFICATION,
-        dp_sgd=("parties",),
-        description="one model per party on its own block (needs single-party sums)",
-        extra_checks=(option_checks("local"), _single_party_sums("local")),
-    ),
-    MethodSpec(
-        name="ensemble",
-        active=EnsembleActive,
-        party=BlockParty,
-        tasks=CLASSIFICATION,
-        dp_sgd=("parties",),
-        description="local models, majority vote of the present parties",
-        extra_checks=(option_checks("ensemble"), _single_party_sums("ensemble")),
-    ),
-    MethodSpec(
-        name="standard-vfl",
-        active=StandardVFLActive,
-        party=BlockParty,
-        tasks=CLASSIFICATION,
-        dp_sgd=("parties",),
-        description="split-NN on complete rows only; random class if a block is missing",
-        extra_checks=(option_checks("standard-vfl"),),
-    ),
-    MethodSpec(
-        name="combinatorial",
-        active=CombinatorialActive,
-        party=CombinatorialParty,
-        tasks=CLASSIFICATION,
-        dp_sgd=("parties",),
-        description="an independent model for every subset of parties",
-        extra_checks=(option_checks("combinatorial"),),
-    ),
-    MethodSpec(
-        name="plugvfl",
-        active=PlugVFLActive,
-        party=PlugVFLParty,
-        tasks=CLASSIFICATION,
-        dp_sgd=("parties",),
-        description="concatenation (zeros for missing blocks), anchor party required",
-        extra_checks=(
-            option_checks("plugvfl", extra_keys=("p_drop", "anchor"), check=_check_plug),
-        ),
-    ),
-):
-    register_method(_spec)
+def _block_method(name: str, active: type, party: type, description: str, *checks) -> None:
+    """Register a baseline: classification only, DP-SGD on the party models."""
+    register_method(
+        MethodSpec(
+            name=name,
+            active=active,
+            party=party,
+            tasks=CLASSIFICATION,
+            dp_sgd=("parties",),
+            description=description,
+            extra_checks=checks,
+        )
+    )
+
+
+_block_method(
+    "local",
+    LocalActive,
+    BlockParty,
+    "one model per party on its own block (needs single-party sums)",
+    option_checks("local"),
+    _single_party_sums("local"),
+)
+_block_method(
+    "ensemble",
+    EnsembleActive,
+    BlockParty,
+    "local models, majority vote of the present parties",
+    option_checks("ensemble"),
+    _single_party_sums("ensemble"),
+)
+_block_method(
+    "standard-vfl",
+    StandardVFLActive,
+    BlockParty,
+    "split-NN on complete rows only; random class if a block is missing",
+    option_checks("standard-vfl"),
+)
+_block_method(
+    "combinatorial",
+    CombinatorialActive,
+    CombinatorialParty,
+    "an independent model for every subset of parties",
+    option_checks("combinatorial"),
+)
+_block_method(
+    "plugvfl",
+    PlugVFLActive,
+    PlugVFLParty,
+    "concatenation (zeros for missing blocks), anchor party required",
+    option_checks("plugvfl", extra_keys=("p_drop", "anchor"), check=_check_plug),
+)

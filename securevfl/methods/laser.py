@@ -569,6 +569,16 @@ class BlockActive(ActiveMethod):
         raise `PartyDropped` before anything is updated."""
         raise NotImplementedError
 
+    def update(
+        self, ctx: ActiveContext, ids: np.ndarray, leaves: Any, loss: torch.Tensor, *, epoch: int
+    ) -> None:
+        """Backpropagate `loss`, send the parties their gradients (`send_gradients`: label DP,
+        ledger), then step the active party's optimizer."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.send_gradients(ctx, ids, leaves, epoch=epoch)
+        self.optimizer.step()
+
     def predict_rows(
         self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
     ) -> Prediction | None:
@@ -1042,10 +1052,7 @@ class LaserActive(BlockActive):
         subsets = list(dict.fromkeys(t.subset for t in tasks))
         sums, leaves = self.forward_sums(ctx, ids, subsets, train=True, epoch=epoch)
         loss = laser_objective(sums, tasks, self.heads, self.labels_tensor(ids), self.loss_task)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.send_gradients(ctx, ids, leaves, epoch=epoch)
-        self.optimizer.step()
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach()), skipped
 
     def predict_subset(
