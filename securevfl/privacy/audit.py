@@ -60,6 +60,14 @@ class AuditRow:
     first_epoch: int | None = None
     last_epoch: int | None = None
     note: str = ""
+    # label_dp / embedding_dp only: epsilon when neighbouring data sets differ in one row's
+    # *value* (a flipped label, a changed feature row) rather than in its presence. The clipped
+    # release of that row can move by 2C, not C: the same history at sigma / 2.
+    epsilon_replace_one: float | None = None
+
+
+# mechanisms whose guarantee is per row release (no amplification), for the replace-one epsilon
+REPLACE_ONE = ("label_dp", "embedding_dp")
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,10 @@ def audit(
     for (role, mechanism), evs in grouped.items():
         d = delta if delta is not None else min(e.delta for e in evs)
         eps, used, note = _epsilon_noting_fallback(histories[(role, mechanism)], d, accountant)
+        replace_one = None
+        if mechanism in REPLACE_ONE:
+            halved = [(sigma / 2, q, n) for sigma, q, n in histories[(role, mechanism)]]
+            replace_one, _, _ = _epsilon_noting_fallback(halved, d, accountant)
         first, last = _epochs([e.epoch for e in evs])
         rows.append(
             AuditRow(
@@ -189,6 +201,7 @@ def audit(
                 first_epoch=first,
                 last_epoch=last,
                 note=note,
+                epsilon_replace_one=replace_one,
             )
         )
 
@@ -280,6 +293,18 @@ def format_report(report: AuditReport) -> str:
             for r in report.rows
         ]
         out += _table(header, body)
+        flips = [r for r in report.rows if r.epsilon_replace_one is not None]
+        if flips:
+            out += [
+                "",
+                "epsilon above: one row's release present or absent. If one row's value changes",
+                "instead (a flipped label, an edited feature row), the same releases give:",
+                *(
+                    f"  {r.role}/{r.mechanism}: epsilon {r.epsilon_replace_one:.4g} "
+                    f"at delta {r.delta:.3g} (replace-one: sigma / 2)"
+                    for r in flips
+                ),
+            ]
         notes = [f"  {r.role}/{r.mechanism}: {r.note}" for r in report.rows if r.note]
         if notes:
             out += ["", "Notes:", *notes]

@@ -99,6 +99,26 @@ def test_audit_epsilon_equals_opacus_for_each_mechanism(dp_run, capsys):
         assert metrics["privacy"]["epsilon"]["/".join(key)] == pytest.approx(eps, abs=1e-6)
 
 
+def test_audit_reports_the_replace_one_epsilon_of_row_releases(dp_run, capsys):
+    """A flipped label moves a row's clipped gradient by up to 2C: the label-flip epsilon is
+    the same history at sigma / 2, reported beside the add/remove one (not for DP-SGD)."""
+    run_dir, _ = dp_run
+    assert cli_main(["audit", str(run_dir), "--json"]) == 0
+    rows = {
+        (m["role"], m["mechanism"]): m for m in json.loads(capsys.readouterr().out)["mechanisms"]
+    }
+    flip = rows[("active", "label_dp")]["epsilon_replace_one"]
+    assert flip == pytest.approx(opacus_rdp([(1.3 / 2, 1.0)] * 3, DELTA), abs=1e-6)
+    assert flip > rows[("active", "label_dp")]["epsilon"]
+    assert rows[("alpha", "embedding_dp")]["epsilon_replace_one"] == pytest.approx(
+        opacus_rdp([(0.9 / 2, 1.0)] * 3, DELTA), abs=1e-6
+    )
+    assert rows[("beta", "dp_sgd")]["epsilon_replace_one"] is None
+    assert cli_main(["audit", str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "flipped label" in text and f"{flip:.4g}" in text
+
+
 def test_audit_with_prv_and_another_delta_equals_opacus(dp_run, capsys):
     run_dir, _ = dp_run
     assert (
