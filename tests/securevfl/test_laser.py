@@ -548,6 +548,19 @@ def test_min_group_one_is_an_explicit_opt_in_that_trains_every_task(tmp_path):
     assert any(len(spec.group) == 1 for spec, _, _ in fed.sums)
 
 
+@pytest.mark.parametrize("method", ["laser", "standard-vfl"])
+def test_two_logit_heads_train_under_softmax_and_score_the_positive_class(tmp_path, method):
+    cfg = block_config(tmp_path, method=method, epochs=3, options={"two_logit_head": True})
+    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
+    assert fed.method.loss_task == "multiclass" and fed.method.out_dim == 2
+    assert all(m[-1].out_features == 2 for m in fed.method.heads.values())
+    metrics = fed.run()
+    assert metrics["accuracy"] > 0.75 and metrics["f1"] > 0.7
+    with pytest.raises(ConfigError) as info:
+        block_config(tmp_path, options={"two_logit_head": "yes"})
+    assert info.value.key == "[method] two_logit_head"
+
+
 def test_plain_and_mask_runs_agree(tmp_path):
     out = {}
     for aggregation in ("plain", "mask"):
