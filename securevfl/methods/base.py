@@ -174,11 +174,17 @@ class ActiveMethod(ABC):
 class PartyDropped(RuntimeError):
     """Raised by `ActiveContext.call` when a party stopped answering mid-round and the method
     tolerates dropouts: the party is gone from `ctx.parties`; re-run the step with the survivors
-    (a new round, so fresh masks)."""
+    (a new round, so fresh masks).
 
-    def __init__(self, party: str) -> None:
+    `delivered` says whether the call reached the other recipients (the party died while they
+    were answering) or nobody (the party was already known lost): an update such as a backward
+    pass must be re-sent to the survivors only when it was not delivered, or they apply it
+    twice."""
+
+    def __init__(self, party: str, *, delivered: bool = False) -> None:
         super().__init__(f"party {party!r} was lost; continuing without it")
         self.party = party
+        self.delivered = delivered
 
 
 class UnknownOperation(ValueError):

@@ -700,6 +700,8 @@ class BlockActive(ActiveMethod):
                     break
                 except PartyDropped as exc:  # the others' gradients still hold: forward was whole
                     self.lose(ctx, exc.party)
+                    if exc.delivered:  # the survivors have applied it: sending again would
+                        break  # apply it twice
                     alive = [p for p in alive if p not in self.dead]
 
     # --- presence and dropouts

@@ -164,7 +164,10 @@ class FederationContext:
                 file=self.out,
                 flush=True,
             )
-            raise PartyDropped(lost[0] if lost else str(env.meta["lost"][0]))
+            raise PartyDropped(
+                lost[0] if lost else str(env.meta["lost"][0]),
+                delivered=bool(env.meta.get("delivered", False)),
+            )
         shapes = env.meta.get("shapes", {})
         out = {}
         for spec in sums:

@@ -214,7 +214,7 @@ class Aggregator:
                 if exc.lost in to:
                     # the round cannot complete: discard the survivors' contributions (their
                     # masks were for this group) and let the active party re-run it
-                    self._tell_lost(env, [exc.lost])
+                    self._tell_lost(env, [exc.lost], delivered=True)
                     return
                 continue
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
@@ -298,8 +298,12 @@ class Aggregator:
             return False
         return True
 
-    def _tell_lost(self, env: Envelope, lost: list[str]) -> None:
-        self._reply(self.active, P.RESULT, env, meta={"lost": lost, "shapes": {}})
+    def _tell_lost(self, env: Envelope, lost: list[str], *, delivered: bool = False) -> None:
+        """Tell the active party the round failed because `lost` are gone; `delivered`: the
+        call had reached every recipient (the others have run it)."""
+        self._reply(
+            self.active, P.RESULT, env, meta={"lost": lost, "shapes": {}, "delivered": delivered}
+        )
 
     def _reply(self, to: str, kind: str, env: Envelope, **fields: Any) -> None:
         """Send `kind` to `to` in the session and round of `env`."""

@@ -117,7 +117,8 @@ class PassiveParty:
         # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
         # must not count rows the party never trains on
         held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
-        plan = plan_role(self.cfg, role=self.name, n_train=held)
+        # a party holding none of them trains nothing; its method says so, naming the party
+        plan = plan_role(self.cfg, role=self.name, n_train=held or len(inputs["train_ids"]))
         self.privacy = RolePrivacy(plan=plan, ledger=self.ledger)
         self.privacy.set_rows(inputs["all_ids"])
         self.method.privacy = self.privacy

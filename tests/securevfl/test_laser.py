@@ -190,17 +190,21 @@ class DirectFederation:
         self.round += 1
         for p in to:
             assert p in self._parties, f"{op} sent to lost party {p}"
-            if p in self._drops and self.round >= self._drops[p]:
-                self._parties.remove(p)
-                raise PartyDropped(p)
+        dying = [p for p in to if p in self._drops and self.round >= self._drops[p]]
         if self.record:
-            self.calls.append((op, tuple(to), tuple(sums), np.array(ids)))
+            self.calls.append(
+                (op, tuple(p for p in to if p not in dying), tuple(sums), np.array(ids))
+            )
         outs = {
             p: self.party_methods[p].handle(
                 op, ids=np.asarray(ids), args=dict(args or {}), inputs=dict(inputs or {})
             )
             for p in to
+            if p not in dying
         }
+        if dying:  # as the roles do: the others ran the call, the dead one never answered
+            self._parties.remove(dying[0])
+            raise PartyDropped(dying[0], delivered=True)
         result = {}
         for spec in sums:
             values = {p: np.asarray(outs[p][spec.tensor], dtype=np.float64) for p in spec.group}
@@ -602,6 +606,8 @@ def test_a_lost_party_is_treated_as_missing_and_training_goes_on(tmp_path):
 
 
 def test_a_party_lost_during_backward_keeps_the_others_updates(tmp_path):
+    """The survivors ran the backward of the round the party died in: it is not sent to them
+    again (they would apply it twice; the real party stage refuses a second backward)."""
     cfg = block_config(tmp_path, epochs=1)
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     # round 2 is the first backward of the first batch
@@ -609,6 +615,11 @@ def test_a_party_lost_during_backward_keeps_the_others_updates(tmp_path):
     fed.run()
     assert fed.method.dead == ["p0"]
     assert fed.calls[1][0] == "backward" and "p0" not in fed.calls[1][1]
+    # between the first batch's forward and the next one, each survivor gets one backward
+    nxt = next(i for i, c in enumerate(fed.calls[1:], start=1) if c[0] == "forward")
+    got = [p for c in fed.calls[1:nxt] for p in c[1]]
+    assert sorted(got) == ["p1", "p2", "p3"], "a backward was sent twice"
+    assert all(fed.party_methods[p]._pending is None for p in ("p1", "p2", "p3"))
 
 
 def test_active_party_with_its_own_block(tmp_path):
