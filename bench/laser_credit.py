@@ -423,7 +423,7 @@ def mask_section(results: dict[str, Any], *, scaling: str, epochs: int | None) -
     out += [
         "| seed | run | training | test rows given a random class | F1 plain | F1 run | "
         "diff | loss terms left out (all epochs) |",
-        "|---|" * 8,
+        "|" + "---|" * 8,
     ]
     for entry, twin in rows:
         if entry["aggregation"] == "plain":
