@@ -7,7 +7,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any
 
 import zmq
 
@@ -33,6 +32,7 @@ from transport.sockets import (
     HEARTBEAT_ROUTING_SUFFIX,
     LINGER_MS,
     RESERVED_KINDS,
+    Endpoint,
     check_endpoint,
     check_kinds,
     check_timeout,
@@ -42,7 +42,7 @@ from transport.sockets import (
 )
 
 
-class Hub:
+class Hub(Endpoint):
     """The aggregator's end: one CURVE-server ROUTER bound at ``bind`` that peers connect to.
 
     Who sent a message is what CURVE authenticated, never what the message says: the ZAP
@@ -77,6 +77,8 @@ class Hub:
 
     Not thread-safe: use a hub from one thread.
     """
+
+    word = "hub"
 
     def __init__(
         self,
@@ -265,12 +267,6 @@ class Hub:
         if self._own_context:
             self._context.term()
 
-    def __enter__(self) -> Hub:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"Hub(name={self.name!r}, endpoint={self.endpoint!r}, connected={sorted(self._routes)})"
@@ -282,20 +278,6 @@ class Hub:
         if self._closed or self._socket is None:
             raise TransportError(f"hub {self.name} is closed")
         return self._socket
-
-    def _stamp(self, env: Envelope) -> Envelope:
-        if self.session is not None:
-            if not env.session:
-                env.session = self.session
-            elif env.session != self.session:
-                raise ValueError(
-                    f"envelope session {env.session!r} differs from the hub's session "
-                    f"{self.session!r}"
-                )
-        env.sender = self.name
-        self._seq += 1
-        env.seq = self._seq
-        return env
 
     def _serve(
         self, timeout: float, done: Callable[[], bool], describe_timeout: Callable[[], str]

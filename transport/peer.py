@@ -7,7 +7,6 @@ import math
 import threading
 import time
 from collections.abc import Collection
-from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -29,6 +28,7 @@ from transport.sockets import (
     HELLO_KIND,
     LINGER_MS,
     RESERVED_KINDS,
+    Endpoint,
     check_endpoint,
     check_kinds,
     check_timeout,
@@ -46,7 +46,7 @@ _MONITOR_EVENTS = (
 )
 
 
-class Peer:
+class Peer(Endpoint):
     """A role's connection to the hub: a CURVE-client DEALER plus a heartbeat thread.
 
     The main socket (routing id ``name``) carries application messages and announces itself
@@ -66,6 +66,8 @@ class Peer:
 
     Not thread-safe: use a peer from one thread (the heartbeat thread has its own socket).
     """
+
+    word = "peer"
 
     def __init__(
         self,
@@ -227,12 +229,6 @@ class Peer:
         if self._own_context and (thread is None or not thread.is_alive()):
             self._context.term()
 
-    def __enter__(self) -> Peer:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"Peer(name={self.name!r}, endpoint={self.endpoint!r})"
 
@@ -265,20 +261,6 @@ class Peer:
         if self._refused:
             raise self._key_refused()
         return self._socket
-
-    def _stamp(self, env: Envelope) -> Envelope:
-        if self.session is not None:
-            if not env.session:
-                env.session = self.session
-            elif env.session != self.session:
-                raise ValueError(
-                    f"envelope session {env.session!r} differs from the peer's session "
-                    f"{self.session!r}"
-                )
-        env.sender = self.name
-        self._seq += 1
-        env.seq = self._seq
-        return env
 
     def _send_hello(self) -> None:
         assert self._socket is not None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
+from typing import Any, ClassVar, Self
 
 import zmq
 
-from transport.envelope import Limits
+from transport.envelope import Envelope, Limits
 
 HEARTBEAT_KIND = "heartbeat"
 HELLO_KIND = "_hello"  # a peer's main socket announces itself so the hub can route to it
@@ -97,3 +98,37 @@ def configure_socket(
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout * 1000)))
     # TTL travels in deciseconds on the wire: a multiple of 100 ms, at most 6553.5 s
     socket.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_500, max(100, int(peer_timeout * 10) * 100)))
+
+
+class Endpoint:
+    """What `Hub` and `Peer` share: stamping outgoing envelopes (sender, session, sequence
+    number) and the context-manager protocol. Subclasses set `name`, `session`, `_seq` and
+    define `close()`."""
+
+    word: ClassVar[str] = "endpoint"  # "hub" or "peer", for messages
+    name: str
+    session: str | None
+    _seq: int
+
+    def close(self, *, linger: float = LINGER_MS / 1000) -> None:
+        raise NotImplementedError
+
+    def _stamp(self, env: Envelope) -> Envelope:
+        if self.session is not None:
+            if not env.session:
+                env.session = self.session
+            elif env.session != self.session:
+                raise ValueError(
+                    f"envelope session {env.session!r} differs from the {self.word}'s session "
+                    f"{self.session!r}"
+                )
+        env.sender = self.name
+        self._seq += 1
+        env.seq = self._seq
+        return env
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
