@@ -97,3 +97,45 @@ def securevfl_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.Comp
         env=env,
         **kwargs,
     )
+
+
+def kill_role_after_epoch(
+    config: Path,
+    run_dir: Path,
+    role: str,
+    *,
+    epoch: int = 2,
+    deadline: float = 180,
+    timeout: float = 240,
+):
+    """`securevfl run CONFIG` as a real process; once the active party's checkpoint of epoch
+    `epoch - 1` is on disk, SIGKILL `role`. Returns (returncode, stdout, stderr, pids, seconds
+    from the kill to the end of the run); the run is always reaped."""
+    import json
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        until = time.monotonic() + deadline
+        marker = run_dir / "checkpoints" / "active" / f"epoch_{epoch - 1:04d}.pt"
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < until, f"training never reached epoch {epoch}"
+            time.sleep(0.05)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        killed_at = time.monotonic()
+        os.kill(pids[role], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr, pids, time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from securevfl.demo import prepare_demo
-from tests.securevfl.conftest import securevfl_cli, write_toml
+from tests.securevfl.conftest import kill_role_after_epoch, securevfl_cli, write_toml
 
 pytestmark = pytest.mark.multiprocess
 
@@ -111,29 +109,10 @@ def test_killed_party_stops_everyone_then_resume_finishes(small_federation):
     raw["train"].update({"epochs": 30, "batch_size": 16})
     config = write_toml(raw, d / "config.toml")
     run_dir = d / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+    code, _, stderr, pids, stopped_after = kill_role_after_epoch(
+        config, run_dir, "beta", deadline=120, timeout=60
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "checkpoints" / "active" / "epoch_0001.pt").exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "training never reached epoch 2"
-            time.sleep(0.1)
-        pids = json.loads((run_dir / "pids.json").read_text())
-        killed_at = time.monotonic()
-        os.kill(pids["beta"], signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=60)
-        stopped_after = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 4, stderr
+    assert code == 4, stderr
     assert "'beta'" in stderr and "lost" in stderr
     # the peer timeout is 3 s: everyone stops well within the deadline, nobody hangs
     assert stopped_after < 30

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.securevfl.conftest import securevfl_cli, write_toml
+from tests.securevfl.conftest import kill_role_after_epoch, securevfl_cli, write_toml
 from tests.securevfl.test_laser import block_csv
 
 pytestmark = pytest.mark.multiprocess
@@ -44,28 +40,8 @@ def test_sigkilled_party_is_treated_as_missing_and_laser_finishes(tmp_path):
     raw = laser_raw(tmp_path, aggregation="mask", epochs=12)
     config = write_toml(raw, tmp_path / "config.toml")
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "checkpoints" / "active" / "epoch_0001.pt").exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "training never reached epoch 2"
-            time.sleep(0.05)
-        pids = json.loads((run_dir / "pids.json").read_text())
-        os.kill(pids["p2"], signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, stderr
+    code, _, stderr, pids, _ = kill_role_after_epoch(config, run_dir, "p2")
+    assert code == 0, stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["lost_parties"] == ["p2"]
     assert len(metrics["history"]) == raw["train"]["epochs"]
