@@ -145,11 +145,9 @@ class EnsembleActive(LocalActive):
 # Standard VFL
 
 
-class StandardVFLActive(BlockActive):
-    """Split-NN with mean fusion and one head, trained on complete rows only; a test row missing
-    a block gets a random class."""
-
-    method_name = "standard-vfl"
+class JointHeadActive(BlockActive):
+    """One head over the fusion of the present blocks (`fuse`), for the methods with a single
+    joint predictor (Standard VFL, PlugVFL)."""
 
     def build_heads(self) -> None:
         cfg = self.config
@@ -163,6 +161,39 @@ class StandardVFLActive(BlockActive):
                 )
             }
         ).to(self.device)
+
+    def fuse(self, total: torch.Tensor, subset: tuple[str, ...]) -> torch.Tensor:
+        """The head's input from the sum over `subset`."""
+        raise NotImplementedError
+
+    def joint_step(
+        self, ctx: ActiveContext, ids: np.ndarray, subset: tuple[str, ...], *, epoch: int
+    ) -> float:
+        """One update of the head and the parties in `subset` on rows `ids`; returns the loss."""
+        sums, leaves = self.forward_sums(ctx, ids, [subset], train=True, epoch=epoch)
+        out = self.heads["joint"](self.fuse(sums[subset], subset))
+        loss = task_loss(self.loss_task, out, self.labels_tensor(ids))
+        self.update(ctx, ids, leaves, loss, epoch=epoch)
+        return float(loss.detach())
+
+    def joint_prediction(
+        self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
+    ) -> Prediction:
+        parts = []
+        for chunk in _batched(ids):
+            sums, _ = self.forward_sums(ctx, chunk, [present], train=False)
+            parts.append(self.classes_of(self.heads["joint"](self.fuse(sums[present], present))))
+        return Prediction({"joint": np.concatenate(parts)})
+
+
+class StandardVFLActive(JointHeadActive):
+    """Split-NN with mean fusion and one head, trained on complete rows only; a test row missing
+    a block gets a random class."""
+
+    method_name = "standard-vfl"
+
+    def fuse(self, total: torch.Tensor, subset: tuple[str, ...]) -> torch.Tensor:
+        return total / len(subset)  # mean fusion
 
     def complete(self, present: tuple[str, ...]) -> bool:
         return len(present) == len(self.blocks)
@@ -181,22 +212,14 @@ class StandardVFLActive(BlockActive):
     ) -> tuple[float | None, int]:
         if not self.sum_allowed(present):
             return None, 1
-        sums, leaves = self.forward_sums(ctx, ids, [present], train=True, epoch=epoch)
-        out = self.heads["joint"](sums[present] / len(present))
-        loss = task_loss(self.loss_task, out, self.labels_tensor(ids))
-        self.update(ctx, ids, leaves, loss, epoch=epoch)
-        return float(loss.detach()), 0
+        return self.joint_step(ctx, ids, present, epoch=epoch), 0
 
     def predict_rows(
         self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
     ) -> Prediction:
         if not self.complete(present) or not self.sum_allowed(present):
             return Prediction({"joint": self.random_classes(len(ids), present)}, fallback=True)
-        parts = []
-        for chunk in _batched(ids):
-            sums, _ = self.forward_sums(ctx, chunk, [present], train=False)
-            parts.append(self.classes_of(self.heads["joint"](sums[present] / len(present))))
-        return Prediction({"joint": np.concatenate(parts)})
+        return self.joint_prediction(ctx, ids, present)
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +333,7 @@ def _plug_model(in_dim: int, cfg: RunConfig, seed: int) -> nn.Module:
     return nn.Sequential(mlp(in_dim, cfg.hidden, cfg.width, seed=seed), linear)
 
 
-class PlugVFLActive(BlockActive):
+class PlugVFLActive(JointHeadActive):
     """Concatenation fusion (zeros for missing blocks) and one head; the anchor block is
     required in training and for a test row to be scored."""
 
@@ -321,18 +344,8 @@ class PlugVFLActive(BlockActive):
         self.anchor = self.config.option("anchor", self.blocks[-1])
         self.p_drop = float(self.config.option("p_drop", 0.0))
 
-    def build_heads(self) -> None:
-        cfg = self.config
-        self.heads = nn.ModuleDict(
-            {
-                "joint": mlp(
-                    cfg.width,
-                    cfg.head_hidden,
-                    self.out_dim,
-                    seed=derived_seed(cfg.seed, self.method_name, "head"),
-                )
-            }
-        ).to(self.device)
+    def fuse(self, total: torch.Tensor, subset: tuple[str, ...]) -> torch.Tensor:
+        return total  # concatenation: each party's model ends in its block of the first layer
 
     def build_own_model(self, model: str) -> nn.Module:
         cfg = self.config
@@ -357,10 +370,7 @@ class PlugVFLActive(BlockActive):
         kept = tuple(b for b in present if b == self.anchor or rng.random() >= self.p_drop)
         if not self.sum_allowed(kept):
             return None, 1
-        sums, leaves = self.forward_sums(ctx, ids, [kept], train=True, epoch=epoch)
-        loss = task_loss(self.loss_task, self.heads["joint"](sums[kept]), self.labels_tensor(ids))
-        self.update(ctx, ids, leaves, loss, epoch=epoch)
-        return float(loss.detach()), 0
+        return self.joint_step(ctx, ids, kept, epoch=epoch), 0
 
     def predict_rows(
         self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
@@ -369,11 +379,7 @@ class PlugVFLActive(BlockActive):
             return None
         if not self.sum_allowed(present):
             return Prediction({"joint": self.random_classes(len(ids), present)}, fallback=True)
-        parts = []
-        for chunk in _batched(ids):
-            sums, _ = self.forward_sums(ctx, chunk, [present], train=False)
-            parts.append(self.classes_of(self.heads["joint"](sums[present])))
-        return Prediction({"joint": np.concatenate(parts)})
+        return self.joint_prediction(ctx, ids, present)
 
 
 def _check_plug(cfg: RunConfig) -> None:

@@ -125,36 +125,36 @@ class _OlsParty(BlockRegressionParty):
     method_label = "ols"
 
 
-register_method(
-    MethodSpec(
-        name="cc-ols",
-        active=CompleteCaseActive,
-        party=_OlsParty,
-        tasks=("regression",),
-        description="complete-case OLS over the parties (a VFEM comparator)",
-        extra_checks=(option_check(COMMON_OPTIONS),),
-        secure_defaults=VFEM_SECURE_DEFAULTS,
+def _register_ols(name: str, active: type, description: str, options: Any, *checks) -> None:
+    register_method(
+        MethodSpec(
+            name=name,
+            active=active,
+            party=_OlsParty,
+            tasks=("regression",),
+            description=description,
+            extra_checks=(option_check(options), *checks),
+            secure_defaults=VFEM_SECURE_DEFAULTS,
+        )
     )
+
+
+_register_ols(
+    "cc-ols",
+    CompleteCaseActive,
+    "complete-case OLS over the parties (a VFEM comparator)",
+    COMMON_OPTIONS,
 )
-register_method(
-    MethodSpec(
-        name="impute-ols",
-        active=MeanImputationActive,
-        party=_OlsParty,
-        tasks=("regression",),
-        description="mean-imputation OLS over the parties (a VFEM comparator)",
-        extra_checks=(option_check(COMMON_OPTIONS),),
-        secure_defaults=VFEM_SECURE_DEFAULTS,
-    )
+_register_ols(
+    "impute-ols",
+    MeanImputationActive,
+    "mean-imputation OLS over the parties (a VFEM comparator)",
+    COMMON_OPTIONS,
 )
-register_method(
-    MethodSpec(
-        name="single-ols",
-        active=SinglePartyActive,
-        party=_OlsParty,
-        tasks=("regression",),
-        description="OLS on one role's block (a VFEM comparator)",
-        extra_checks=(option_check(_SINGLE_OPTIONS), _check_single),
-        secure_defaults=VFEM_SECURE_DEFAULTS,
-    )
+_register_ols(
+    "single-ols",
+    SinglePartyActive,
+    "OLS on one role's block (a VFEM comparator)",
+    _SINGLE_OPTIONS,
+    _check_single,
 )
