@@ -10,6 +10,7 @@ from securevfl.methods.base import (
     PartyMethod,
     SumSpec,
     UnknownOperation,
+    call_recipients,
     register_method,
     registry,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PartyMethod",
     "SumSpec",
     "UnknownOperation",
+    "call_recipients",
     "method_names",
     "method_spec",
     "register_method",

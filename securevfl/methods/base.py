@@ -171,6 +171,31 @@ class ActiveMethod(ABC):
     tolerates_dropout: bool = False
 
 
+def call_recipients(
+    config: RunConfig,
+    op: str,
+    sums: Sequence[SumSpec],
+    to: Sequence[str] | None,
+    parties: Sequence[str],
+) -> list[str]:
+    """What every `ActiveContext.call` does first: refuse a sum over a group its aggregation does
+    not allow (`secure_sum.check_group`), then name the recipients: `to`, else every party in a
+    sum's group, else all of `parties`."""
+    from securevfl.secure_sum import check_group
+
+    for spec in sums:
+        check_group(
+            config.aggregation,
+            spec.group,
+            min_group=config.min_group,
+            key=spec.key,
+            what=f"method {config.method!r}, op {op!r}",
+        )
+    if to is not None:
+        return list(to)
+    return sorted({p for s in sums for p in s.group}) or list(parties)
+
+
 class PartyDropped(RuntimeError):
     """Raised by `ActiveContext.call` when a party stopped answering mid-round and the method
     tolerates dropouts: the party is gone from `ctx.parties`; re-run the step with the survivors

@@ -17,7 +17,7 @@ import numpy as np
 
 from securevfl.config import RunConfig
 from securevfl.data.table import ActiveTable, train_test_split
-from securevfl.methods import PartyDropped, SumSpec, method_spec
+from securevfl.methods import PartyDropped, SumSpec, call_recipients, method_spec
 from securevfl.privacy.audit import audit
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.privacy.run_audit import epsilon_summary, write_manifest
@@ -26,7 +26,7 @@ from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint, save_checkpoint
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.party import report_failure
-from securevfl.secure_sum import SumSession, backend, check_group, ckks_context_tag
+from securevfl.secure_sum import SumSession, backend, ckks_context_tag
 from transport import Envelope
 
 
@@ -106,17 +106,7 @@ class FederationContext:
         to: Sequence[str] | None = None,
         collect: Sequence[str] = (),
     ) -> dict[str, np.ndarray]:
-        if to is None:
-            members = sorted({p for s in sums for p in s.group})
-            to = members or list(self._parties)
-        for spec in sums:
-            check_group(
-                self.config.aggregation,
-                spec.group,
-                min_group=self.config.min_group,
-                key=spec.key,
-                what=f"method {self.config.method!r}, op {op!r}",
-            )
+        to = call_recipients(self.config, op, sums, to, self._parties)
         self.round += 1
         tensors = {"ids": np.asarray(ids, dtype=np.int64), **dict(inputs or {})}
         self.conn.send(

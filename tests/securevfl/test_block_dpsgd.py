@@ -13,14 +13,7 @@ from securevfl.data.table import load_party_table, split_federation
 from securevfl.inproc import run_federation
 from securevfl.methods.laser import BlockParty
 from securevfl.privacy.ledger import LEDGER_FILENAME, LedgerEvent, PrivacyLedger
-from tests.securevfl.test_laser import block_config
-
-NETWORK = {
-    "heartbeat_interval": 0.2,
-    "peer_timeout": 5.0,
-    "round_timeout": 30.0,
-    "startup_timeout": 30.0,
-}
+from tests.securevfl.test_laser import INPROC_NETWORK, block_config
 
 
 def _run(tmp_path, method: str, **kw):
@@ -32,7 +25,7 @@ def _run(tmp_path, method: str, **kw):
         epochs=2,
         n=300,
         run={"transport": "inproc"},
-        network=NETWORK,
+        network=INPROC_NETWORK,
         parties={"p1": {"columns": ["X3", "X4"], "dp_sgd": {"noise_multiplier": 1.0, "clip": 1.0}}},
         privacy={"delta": 1e-4},
         **kw,

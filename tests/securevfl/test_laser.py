@@ -25,7 +25,7 @@ from securevfl.data.table import (
     train_test_split,
     write_csv,
 )
-from securevfl.methods import PartyDropped, SumSpec, method_spec
+from securevfl.methods import PartyDropped, SumSpec, call_recipients, method_spec
 from securevfl.methods.laser import (
     BlockParty,
     LaserActive,
@@ -38,10 +38,19 @@ from securevfl.methods.laser import (
     sample_tasks,
     task_weights,
 )
-from securevfl.secure_sum import SumSession, backend, check_group
+from securevfl.secure_sum import SumSession, backend
 
 # --------------------------------------------------------------------------------------------
 # kit
+
+
+# short timeouts for federations run as threads over inproc ZeroMQ
+INPROC_NETWORK = {
+    "heartbeat_interval": 0.2,
+    "peer_timeout": 5.0,
+    "round_timeout": 30.0,
+    "startup_timeout": 30.0,
+}
 
 
 def block_csv(
@@ -177,16 +186,7 @@ class DirectFederation:
         to: Sequence[str] | None = None,
         collect: Sequence[str] = (),
     ) -> dict[str, np.ndarray]:
-        if to is None:
-            to = sorted({p for s in sums for p in s.group}) or list(self._parties)
-        for spec in sums:
-            check_group(
-                self.config.aggregation,
-                spec.group,
-                min_group=self.config.min_group,
-                key=spec.key,
-                what=f"method {self.config.method!r}, op {op!r}",
-            )
+        to = call_recipients(self.config, op, sums, to, self._parties)
         self.round += 1
         for p in to:
             assert p in self._parties, f"{op} sent to lost party {p}"
@@ -658,12 +658,7 @@ def test_laser_gradients_go_through_label_dp(tmp_path):
         n=300,
         run={"transport": "inproc"},
         privacy={"label_dp": {"noise_multiplier": 1.0, "clip": 1.0}, "delta": 1e-5},
-        network={
-            "heartbeat_interval": 0.2,
-            "peer_timeout": 5.0,
-            "round_timeout": 30.0,
-            "startup_timeout": 30.0,
-        },
+        network=INPROC_NETWORK,
     )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
@@ -704,12 +699,7 @@ def test_laser_run_survives_a_party_lost_mid_training(tmp_path):
         epochs=2,
         n=400,
         run={"transport": "inproc"},
-        network={
-            "heartbeat_interval": 0.2,
-            "peer_timeout": 5.0,
-            "round_timeout": 30.0,
-            "startup_timeout": 30.0,
-        },
+        network=INPROC_NETWORK,
     )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
@@ -731,12 +721,7 @@ def test_laser_end_to_end_inproc_mask(tmp_path):
         epochs=2,
         n=400,
         run={"transport": "inproc"},
-        network={
-            "heartbeat_interval": 0.2,
-            "peer_timeout": 5.0,
-            "round_timeout": 30.0,
-            "startup_timeout": 30.0,
-        },
+        network=INPROC_NETWORK,
     )
     code, metrics = run_federation(cfg, out=tmp_path / "run")
     assert code == 0
