@@ -49,7 +49,7 @@ from securevfl.methods.base import (
     register_method,
 )
 from securevfl.methods.nn import Standardizer, class_count, derived_seed, mlp, output_dim, task_loss
-from securevfl.privacy.runtime import private_training
+from securevfl.privacy.runtime import PrivateTraining, private_training
 
 EVAL_BATCH = 4096
 CLASSIFICATION = ("binary", "multiclass")
@@ -366,8 +366,10 @@ class BlockParty(PartyMethod):
         # charged to the ledger; the active party's loss is a batch mean. Without it, one
         # optimizer (Adam and SGD are per parameter, so this is the same update).
         privacy = getattr(self, "privacy", None)
-        self.private = privacy is not None and privacy.plan.dp_sgd is not None
-        if self.private:
+        self.trainings: dict[str, PrivateTraining] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._epoch = 0  # of the last training forward: DP-SGD steps are charged to it
+        if privacy is not None and privacy.plan.dp_sgd is not None:
             self.trainings = {
                 m: private_training(
                     self,
@@ -377,11 +379,14 @@ class BlockParty(PartyMethod):
                 )
                 for m in self.model_names()
             }
-            self.optimizer = None
         else:
-            self.trainings = {}
             self.optimizer = block_optimizer(self.models.parameters(), self.config)
         self._pending: tuple[np.ndarray, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def private(self) -> bool:
+        """Whether the models train with DP-SGD (one `PrivateTraining` per model)."""
+        return bool(self.trainings)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         if self.private:
@@ -438,7 +443,7 @@ class BlockParty(PartyMethod):
                     training = self.trainings[m]
                     training.zero_grad()
                     outs[m].backward(grad)
-                    training.step(epoch=getattr(self, "_epoch", None))
+                    training.step(epoch=self._epoch)
             elif grads:
                 self.optimizer.zero_grad(set_to_none=True)
                 torch.autograd.backward([outs[m] for m in grads], list(grads.values()))
