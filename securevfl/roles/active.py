@@ -224,10 +224,9 @@ class FederationContext:
             },
         )
         parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
-        unit = getattr(self.method, "progress_unit", "epoch")
-        total = getattr(self.method, "progress_total", self.config.epochs)
-        of = f"/{total}" if total else ""
-        line = f"{unit} {epoch + 1}{of}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        total = self.method.progress_total  # ActiveMethod: epochs, or None (EM iterations)
+        step = f"{self.method.progress_unit} {epoch + 1}" + (f"/{total}" if total else "")
+        line = f"{step}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
         if self.privacy is not None and self.privacy.plan.mechanisms:
             spent = ", ".join(f"{m} {e:.3g}" for m, e in self.privacy.spent().items())
             line += f"  epsilon spent: {spent} (delta {self.privacy.delta:g})"
