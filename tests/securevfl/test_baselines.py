@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from securevfl.config import ConfigError
-from tests.securevfl.test_laser import DirectFederation, block_config
+from securevfl.direct import DirectFederation
+from tests.securevfl.test_laser import block_config
 
 
 def run(tmp_path, method, **kwargs):
