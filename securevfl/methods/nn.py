@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -27,19 +28,24 @@ def torch_generator(seed: int, *names: str | int) -> torch.Generator:
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, *, seed: int) -> nn.Sequential:
-    """Linear-ReLU stack with a linear output, initialised from `seed` only."""
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        layers: list[nn.Module] = []
-        prev = in_dim
-        for h in hidden:
-            layers += [nn.Linear(prev, h), nn.ReLU()]
-            prev = h
-        layers.append(nn.Linear(prev, out_dim))
-        return nn.Sequential(*layers)
-    finally:
-        torch.random.set_rng_state(state)
+    """Linear-ReLU stack with a linear output, initialised from `seed` only: the values torch's
+    default initialisation gives after ``torch.manual_seed(seed)``, drawn from a generator of
+    its own, so that roles building models in threads of one process never share a stream."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    layers: list[nn.Module] = []
+    prev = in_dim
+    for h in hidden:
+        layers += [nn.Linear(prev, h), nn.ReLU()]
+        prev = h
+    layers.append(nn.Linear(prev, out_dim))
+    with torch.no_grad():
+        for layer in layers:
+            if isinstance(layer, nn.Linear):  # as nn.Linear.reset_parameters, in its order
+                nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=g)
+                bound = 1.0 / math.sqrt(layer.weight.shape[1])
+                nn.init.uniform_(layer.bias, -bound, bound, generator=g)
+    return nn.Sequential(*layers)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
