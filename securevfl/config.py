@@ -525,12 +525,20 @@ def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
     return CkksConfig(poly_modulus_degree=degree, coeff_mod_bit_sizes=bits_t, scale_bits=scale)
 
 
-_MISSING_KINDS: dict[str, set[str]] = {"none": set(), "mcar": {"p"}, "beta": {"a", "b"}}
+# kind -> {parameter: default (None: required)}; generators add theirs (`register_missing_kind`)
+_MISSING_KINDS: dict[str, dict[str, float | None]] = {
+    "none": {},
+    "mcar": {"p": None},
+    "beta": {"a": None, "b": None},
+}
 
 
-def register_missing_kind(kind: str, params: set[str]) -> None:
-    """Let a missingness generator declare its parameters to config validation."""
-    _MISSING_KINDS[kind] = set(params)
+def register_missing_kind(kind: str, params: Mapping[str, float | None] | set[str]) -> None:
+    """Let a missingness generator declare its parameters (name -> default, None = required)
+    to config validation."""
+    if not isinstance(params, Mapping):
+        params = dict.fromkeys(params)
+    _MISSING_KINDS[kind] = dict(params)
 
 
 def _missing(raw: Any, key: str) -> MissingSpec:
@@ -541,15 +549,21 @@ def _missing(raw: Any, key: str) -> MissingSpec:
     if not isinstance(raw, Mapping) or "kind" not in raw:
         raise ConfigError(key, f'must be a table like {{ kind = "mcar", p = 0.5 }}, got {raw!r}')
     kind = raw["kind"]
-    if kind not in _MISSING_KINDS:
+    if not isinstance(kind, str) or kind not in _MISSING_KINDS:
         raise ConfigError(key, f"unknown kind {kind!r}; choose one of {sorted(_MISSING_KINDS)}")
     params = {k: v for k, v in raw.items() if k != "kind"}
-    expected = _MISSING_KINDS[kind]
-    if set(params) != expected:
+    declared = _MISSING_KINDS[kind]
+    unknown = sorted(set(params) - set(declared))
+    required = sorted(k for k, d in declared.items() if d is None and k not in params)
+    if unknown or required:
         raise ConfigError(
-            key, f"kind {kind!r} takes exactly {sorted(expected)}, got {sorted(params)}"
+            key,
+            f"kind {kind!r} takes {sorted(declared) or 'no parameters'}"
+            + (f"; unknown: {unknown}" if unknown else "")
+            + (f"; missing: {required}" if required else ""),
         )
     values = {k: _number(v, f"{key}.{k}", minimum=0.0) for k, v in params.items()}
+    values.update({k: float(d) for k, d in declared.items() if k not in values and d is not None})
     if kind == "mcar" and not values["p"] < 1.0:
         raise ConfigError(f"{key}.p", "must be < 1 (p = 1 would leave no data)")
     return MissingSpec(kind=kind, params=tuple(sorted(values.items())))
