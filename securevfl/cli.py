@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from securevfl.config import ConfigError, RunConfig, load_config
+from securevfl.errors import SecureVFLError, exit_code_for
 from securevfl.roles import protocol as P
 
 EXAMPLES = Path(__file__).parent / "examples"
@@ -130,10 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(args)
     except ConfigError as exc:
         print(f"securevfl: config error: {exc}", file=sys.stderr)
-        return P.EXIT_CONFIG
-    except KeyboardInterrupt:
+        return exc.exit_code
+    except SecureVFLError as exc:  # an ordinary mistake or stop: one line, no traceback
+        print(f"securevfl: {exc}", file=sys.stderr)
+        return exit_code_for(exc)
+    except KeyboardInterrupt as exc:
         print("securevfl: interrupted; continue later with --resume", file=sys.stderr)
-        return 130
+        return exit_code_for(exc)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -315,15 +319,7 @@ def run_role(args: argparse.Namespace) -> int:
             f"securevfl {role}: failed: {exc} (details in {run_dir / 'logs' / (role + '.log')})",
             file=sys.stderr,
         )
-        return _exit_code_for(exc)
-
-
-def _exit_code_for(exc: Exception) -> int:
-    if type(exc).__name__ == "BudgetExceeded":
-        return P.EXIT_BUDGET
-    if type(exc).__name__ in ("KeyMaterialError", "DataError", "CheckpointError"):
-        return P.EXIT_CONFIG
-    return P.EXIT_ERROR
+        return exit_code_for(exc)
 
 
 def _bind_from(address: str) -> str:

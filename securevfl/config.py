@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from securevfl.errors import ConfigError
+
 AGGREGATIONS = ("plain", "mask", "ckks")
 TASKS = ("binary", "multiclass", "regression")
 TRANSPORTS = ("zmq", "inproc")
@@ -21,15 +23,6 @@ DEVICES = ("cpu", "cuda")
 OPTIMIZERS = ("adam", "sgd")
 ROLE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 RESERVED_ROLE_NAMES = ("aggregator",)
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; `key` names it (``[section] key``)."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import zmq
 
 from securevfl.config import ConfigError, RunConfig
 from securevfl.data.table import load_active_table, load_party_table, role_data_path
+from securevfl.errors import exit_code_for
 from securevfl.roles import protocol as P
 
 
@@ -67,11 +68,8 @@ def run_federation(
                 logger.error("%s", exc)
                 codes[role] = P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
             except Exception as exc:  # recorded; the others learn of it through the aggregator
-                from securevfl.cli import _exit_code_for
-
                 logger.exception("failed: %s", exc)
-                # the statuses `securevfl run` gives: 2 for a config error, 3 for a budget
-                codes[role] = P.EXIT_CONFIG if isinstance(exc, ConfigError) else _exit_code_for(exc)
+                codes[role] = exit_code_for(exc)  # the statuses `securevfl run` gives
 
         t = threading.Thread(target=body, name=f"securevfl-{role}", daemon=True)
         t.start()

@@ -16,14 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crypto import MaskingKeyPair
+from securevfl.errors import KeyMaterialError
 from transport import CurveKeyPair
 
 FORMAT = "securevfl-keys/1"
 AGGREGATOR = "aggregator"
-
-
-class KeyMaterialError(ValueError):
-    """Key material is missing or inconsistent; the message says which file and how to fix it."""
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from securevfl.config import ConfigError, RunConfig
-
-
-class DataError(ValueError):
-    """The data do not match the config (missing column, bad id, non-numeric value)."""
+from securevfl.errors import DataError
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from securevfl.errors import BudgetExceeded
 from securevfl.privacy.accounting import (
     epsilon,
     validate_accountant,
@@ -24,48 +25,6 @@ from securevfl.privacy.mechanisms import MECHANISMS
 __all__ = ["BudgetExceeded", "PrivacyBudget"]
 
 Step = tuple[float, float, int]
-
-
-class BudgetExceeded(RuntimeError):
-    """The next release would spend more than the budget allows; nothing was released.
-
-    Attributes: role, mechanism, max_epsilon, epsilon (what the release would reach), delta,
-    epoch and step (where training stopped; None when unknown).
-    """
-
-    def __init__(
-        self,
-        *,
-        role: str,
-        mechanism: str,
-        max_epsilon: float,
-        epsilon: float,
-        delta: float,
-        epoch: int | None = None,
-        step: int | None = None,
-    ) -> None:
-        self.role = role
-        self.mechanism = mechanism
-        self.max_epsilon = max_epsilon
-        self.epsilon = epsilon
-        self.delta = delta
-        self.epoch = epoch
-        self.step = step
-        where = ", ".join(
-            part
-            for part in (
-                f"epoch {epoch}" if epoch is not None else "",
-                f"step {step}" if step is not None else "",
-            )
-            if part
-        )
-        super().__init__(
-            f"privacy budget exhausted for role {role!r}, mechanism {mechanism!r}"
-            f"{' at ' + where if where else ''}: the next release would reach epsilon "
-            f"{epsilon:.4g} > max_epsilon {max_epsilon:.4g} (delta={delta:g}); it was not made. "
-            "Stop here (the last checkpoint is within budget), or raise max_epsilon / the noise "
-            "multiplier for a new run"
-        )
 
 
 def _extend(history: Sequence[Step], step: Step) -> list[Step]:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from securevfl.errors import LedgerError
 from securevfl.privacy.mechanisms import MECHANISMS, Mechanism
 
 __all__ = [
@@ -47,10 +48,6 @@ SCHEMA_VERSION = 1
 UNPROTECTED = "unprotected"
 
 History = list[tuple[float, float, int]]
-
-
-class LedgerError(ValueError):
-    """A ledger file or event that cannot be trusted; the message names the file and line."""
 
 
 def _check_number(name: str, value: Any, *, low: float, high: float, high_ok: bool) -> float:

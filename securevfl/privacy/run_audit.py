@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from securevfl.errors import AuditError
 from securevfl.privacy.attacks import LeakageMeasurement, measure_grouped_leakage
 from securevfl.privacy.audit import AuditReport, audit
 from securevfl.privacy.ledger import LEDGER_FILENAME, LedgerError
@@ -45,10 +46,6 @@ __all__ = [
 
 MANIFEST_FILENAME = "privacy.json"
 RECEIVED_DIR = "received"
-
-
-class AuditError(ValueError):
-    """The run directory cannot be audited as asked; the message says what is missing."""
 
 
 def write_manifest(run_dir: Path, **fields: Any) -> Path:

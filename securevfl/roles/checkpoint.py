@@ -13,12 +13,10 @@ from typing import Any
 
 import torch
 
+from securevfl.errors import CheckpointError
+
 KEEP = 2
 _NAME = re.compile(r"epoch_(\d{4,})\.pt$")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def checkpoint_dir(run_dir: Path, role: str) -> Path:

@@ -28,23 +28,9 @@ BYE = "bye"
 STATS = "stats"
 KINDS = frozenset({HELLO, WELCOME, CALL, CONTRIB, RESULT, ABORT, ERROR, BYE, STATS})
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_BUDGET = 3
-EXIT_PEER_LOST = 4
-
 # operations the roles handle themselves (not the method)
 OP_SETUP = "setup"
 OP_CHECKPOINT = "checkpoint"
-
-
-class RunAborted(RuntimeError):
-    """The federation stopped because a role was lost or failed; `.lost` names it."""
-
-    def __init__(self, message: str, *, lost: str | None = None) -> None:
-        super().__init__(message)
-        self.lost = lost
 
 
 def session_id(nonces: Mapping[str, str]) -> str:
