@@ -225,7 +225,7 @@ def _audit(args: argparse.Namespace) -> int:
             )
     except AuditError as exc:
         print(f"securevfl audit: {exc}", file=sys.stderr)
-        return P.EXIT_CONFIG
+        return P.EXIT_USAGE
     for w in caught:  # e.g. PRV falling back to RDP: say so, once, without a traceback
         print(f"securevfl audit: warning: {w.message}", file=sys.stderr)
     if args.json:
@@ -250,7 +250,7 @@ def _keys(args: argparse.Namespace) -> int:
         public = generate_keys(roles, args.out, overwrite=args.force)
     except KeyMaterialError as exc:
         print(f"securevfl: {exc}", file=sys.stderr)
-        return P.EXIT_CONFIG
+        return P.EXIT_USAGE
     print(
         f"wrote {public} (give it to every host) and {args.out / 'secret'}/<role>.json "
         "(give each only to its role's host)"

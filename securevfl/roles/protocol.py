@@ -17,6 +17,15 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+# the roles' exit statuses and their stop, re-exported (the table lives in securevfl.errors)
+from securevfl.errors import EXIT_BUDGET as EXIT_BUDGET
+from securevfl.errors import EXIT_ERROR as EXIT_ERROR
+from securevfl.errors import EXIT_OK as EXIT_OK
+from securevfl.errors import EXIT_PEER_LOST as EXIT_PEER_LOST
+from securevfl.errors import EXIT_REFUSED as EXIT_REFUSED
+from securevfl.errors import EXIT_USAGE as EXIT_USAGE
+from securevfl.errors import RunAborted as RunAborted
+
 HELLO = "join"
 WELCOME = "session"
 CALL = "call"

@@ -62,12 +62,12 @@ def test_audit_refuses_what_it_cannot_do(small_federation, capsys, args, words):
     raw["train"]["epochs"] = 1
     code, _ = run_federation(make_config(raw, d), out=d / "run")
     assert code == 0
-    assert cli_main(["audit", str(d / "run"), *args]) == P.EXIT_CONFIG
+    assert cli_main(["audit", str(d / "run"), *args]) == P.EXIT_USAGE
     assert words in capsys.readouterr().err
 
 
 def test_audit_of_a_directory_without_a_ledger_exits_2(tmp_path, capsys):
-    assert cli_main(["audit", str(tmp_path)]) == P.EXIT_CONFIG
+    assert cli_main(["audit", str(tmp_path)]) == P.EXIT_USAGE
     assert "no privacy ledger" in capsys.readouterr().err
 
 

@@ -226,7 +226,7 @@ def test_bad_privacy_settings_exit_2_naming_the_key(small_federation, capsys, ed
         else:
             raw.setdefault(section, {}).update(values)
     config = write_toml(raw, d / "config.toml")
-    assert cli_main(["run", str(config), "--out", str(d / "run")]) == P.EXIT_CONFIG
+    assert cli_main(["run", str(config), "--out", str(d / "run")]) == P.EXIT_USAGE
     assert words in capsys.readouterr().err
     assert not (d / "run").exists()  # refused before anything started
 
@@ -237,7 +237,7 @@ def test_roles_refuse_a_delta_too_large_for_n_too(small_federation):
     raw, d = small_federation
     raw["privacy"] = {"delta": 1 / 250}
     code, _ = run_federation(make_config(raw, d), out=d / "run")
-    assert code == P.EXIT_CONFIG
+    assert code == P.EXIT_USAGE
     log = (d / "run" / "logs" / "active.log").read_text()
     assert "[privacy] delta: must be smaller than 1/N" in log
 
