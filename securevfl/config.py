@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +112,10 @@ class RunConfig:
     delta: float | None = None
     accountant: str = "rdp"
     record_received: bool = False
-    # method-specific options ([method] table), kept as plain data for the method to validate
+    # method-specific options: the [method] table as written, and the method's options object
+    # parsed from it (`MethodSpec.options`, validated from the method's declaration)
     method_options: tuple[tuple[str, Any], ...] = ()
+    options: Any = None
     # where the file was read from (relative paths are resolved against it)
     source: Path | None = None
 
@@ -132,12 +134,16 @@ class RunConfig:
                 return p
         raise KeyError(f"no passive party named {name!r}; the config has {list(self.party_names)}")
 
-    def option(self, key: str, default: Any = None) -> Any:
-        return dict(self.method_options).get(key, default)
 
-    def with_changes(self, **changes: Any) -> RunConfig:
-        """A copy with some fields replaced (used by tests, sweeps and the launcher)."""
-        return replace(self, **changes)
+class _Defaults:
+    """`RunConfig`'s field defaults, so that each default is written once (on the dataclass)."""
+
+    def __getattr__(self, name: str) -> Any:
+        f = RunConfig.__dataclass_fields__[name]
+        return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+D = _Defaults()
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,62 +214,66 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         raw, "privacy", {"label_dp", "delta", "accountant", "record_received", "max_epsilon"}
     )
 
-    from securevfl.methods import method_names, method_spec  # the registry (lazy: torch)
+    from securevfl.methods import method_names, method_spec  # declarations only, no torch
 
-    method = r.choice("method", "splitnn", method_names())
+    method = r.choice("method", D.method, method_names())
     secure_defaults = dict(method_spec(method).secure_defaults)
-    aggregation = r.choice("aggregation", "mask", AGGREGATIONS)
+    method_table = raw.get("method", {})
+    if not isinstance(method_table, Mapping):
+        raise ConfigError("[method]", f"must be a table, got {type(method_table).__name__}")
+    aggregation = r.choice("aggregation", D.aggregation, AGGREGATIONS)
     cfg = RunConfig(
         method=method,
         aggregation=aggregation,
-        seed=r.integer("seed", 0, minimum=0),
-        device=r.choice("device", "cpu", DEVICES),
-        min_group=r.integer("min_group", 2, minimum=1),
-        transport=r.choice("transport", "zmq", TRANSPORTS),
+        seed=r.integer("seed", D.seed, minimum=0),
+        device=r.choice("device", D.device, DEVICES),
+        min_group=r.integer("min_group", D.min_group, minimum=1),
+        transport=r.choice("transport", D.transport, TRANSPORTS),
         data_path=_resolve(base, d.string("path", None, required=True)),
-        id_column=d.string("id", "ID"),
-        label=d.string("label", "Y"),
-        task=d.choice("task", "binary", TASKS),
-        test_fraction=d.number("test_fraction", 0.2, minimum=0.0, maximum=0.9),
-        standardize=d.boolean("standardize", True),
-        active_name=_role_name(a.string("name", "active"), "[active] name"),
+        id_column=d.string("id", D.id_column),
+        label=d.string("label", D.label),
+        task=d.choice("task", D.task, TASKS),
+        test_fraction=d.number("test_fraction", D.test_fraction, minimum=0.0, maximum=0.9),
+        standardize=d.boolean("standardize", D.standardize),
+        active_name=_role_name(a.string("name", D.active_name), "[active] name"),
         active_columns=a.string_list("columns", []),
         parties=_parties(raw.get("parties")),
-        epochs=t.integer("epochs", 10, minimum=1),
-        batch_size=t.integer("batch_size", 256, minimum=1),
-        lr=t.number("lr", 1e-3, minimum=0.0, exclusive_minimum=True),
-        optimizer=t.choice("optimizer", "adam", OPTIMIZERS),
-        weight_decay=t.number("weight_decay", 0.0, minimum=0.0),
-        hidden=tuple(m.int_list("hidden", [64], minimum=1)),
-        width=m.integer("width", 16, minimum=1),
-        head_hidden=tuple(m.int_list("head_hidden", [], minimum=1)),
+        epochs=t.integer("epochs", D.epochs, minimum=1),
+        batch_size=t.integer("batch_size", D.batch_size, minimum=1),
+        lr=t.number("lr", D.lr, minimum=0.0, exclusive_minimum=True),
+        optimizer=t.choice("optimizer", D.optimizer, OPTIMIZERS),
+        weight_decay=t.number("weight_decay", D.weight_decay, minimum=0.0),
+        hidden=tuple(m.int_list("hidden", list(D.hidden), minimum=1)),
+        width=m.integer("width", D.width, minimum=1),
+        head_hidden=tuple(m.int_list("head_hidden", list(D.head_hidden), minimum=1)),
         frac_bits=s.integer(
-            "frac_bits", int(secure_defaults.get("frac_bits", 20)), minimum=1, maximum=52
+            "frac_bits", int(secure_defaults.get("frac_bits", D.frac_bits)), minimum=1, maximum=52
         ),
         bound=s.number(
             "bound",
-            float(secure_defaults.get("bound", 2.0**20)),
+            float(secure_defaults.get("bound", D.bound)),
             minimum=0.0,
             exclusive_minimum=True,
         ),
         ckks=_ckks(s.table("ckks", {})),
-        aggregator_address=n.string("aggregator", "tcp://127.0.0.1:5555"),
+        aggregator_address=n.string("aggregator", D.aggregator_address),
         bind_address=n.string("bind", None),
-        keys_dir=_resolve(base, n.string("keys", "keys")),
-        heartbeat_interval=n.number("heartbeat_interval", 1.0, minimum=0.01),
-        peer_timeout=n.number("peer_timeout", 10.0, minimum=0.1),
-        round_timeout=n.number("round_timeout", 120.0, minimum=0.1),
-        startup_timeout=n.number("startup_timeout", 120.0, minimum=0.1),
-        aggregator_in_active=n.boolean("aggregator_in_active", False),
+        keys_dir=_resolve(base, n.string("keys", str(D.keys_dir))),
+        heartbeat_interval=n.number("heartbeat_interval", D.heartbeat_interval, minimum=0.01),
+        peer_timeout=n.number("peer_timeout", D.peer_timeout, minimum=0.1),
+        round_timeout=n.number("round_timeout", D.round_timeout, minimum=0.1),
+        startup_timeout=n.number("startup_timeout", D.startup_timeout, minimum=0.1),
+        aggregator_in_active=n.boolean("aggregator_in_active", D.aggregator_in_active),
         missing_train=_missing(mi.raw("train"), "[missing] train"),
         missing_test=_missing(mi.raw("test"), "[missing] test"),
         label_dp=_dp(p.raw("label_dp"), "[privacy] label_dp"),
         head_dp_sgd=_dp(a.raw("dp_sgd"), "[active] dp_sgd"),
         active_max_epsilon=_positive_or_none(a.raw("max_epsilon"), "[active] max_epsilon"),
         delta=_delta(p.raw("delta")),
-        accountant=p.choice("accountant", "rdp", ("rdp", "prv")),
-        record_received=p.boolean("record_received", False),
-        method_options=tuple(sorted(dict(raw.get("method", {})).items())),
+        accountant=p.choice("accountant", D.accountant, ("rdp", "prv")),
+        record_received=p.boolean("record_received", D.record_received),
+        method_options=tuple(sorted(method_table.items())),
+        options=method_spec(method).parse_options(method_table),
         source=source,
     )
     if p.raw("max_epsilon") is not None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import accuracy_score, f1_score, mean_squared_error, r2_score, roc_auc_score
 
 
 def task_metrics(task: str, *, y_true: np.ndarray, output: np.ndarray) -> dict[str, float]:
     """`output` is the model's raw output: a logit (binary), logits [n, C] (multiclass) or a
     prediction (regression)."""
+    from sklearn.metrics import (
+        accuracy_score,
+        f1_score,
+        mean_squared_error,
+        r2_score,
+        roc_auc_score,
+    )
+
     y_true = np.asarray(y_true)
     if len(y_true) == 0:
         return {}

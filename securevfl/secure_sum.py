@@ -45,14 +45,26 @@ class SumSession:
     ckks_public_context: bytes | None = None
 
 
-def check_group(backend: str, group: Sequence[str], *, min_group: int, key: str, what: str) -> None:
-    """Refuse a secure sum with fewer than `min_group` contributors; `what` names the step."""
-    if backend != "plain" and len(group) < min_group:
+def group_allowed(cfg: Any, group: Sequence[str]) -> bool:
+    """The min_group rule, in one place: a secure sum needs at least `min_group` distinct passive
+    parties among its contributors (the active party and the aggregator never count); plain
+    aggregation, a baseline, allows any group."""
+    if cfg.aggregation == "plain":
+        return True
+    return len(set(group) & set(cfg.party_names)) >= cfg.min_group
+
+
+def check_group(cfg: Any, group: Sequence[str], *, key: str, what: str) -> None:
+    """Refuse (`GroupTooSmall`) a secure sum that `group_allowed` refuses; `what` names the
+    step that asked for it."""
+    if not group_allowed(cfg, group):
+        passive = sorted(set(group) & set(cfg.party_names))
         raise GroupTooSmall(
-            f"{what}: secure sum {key!r} over {list(group)} has {len(group)} contributor(s), "
-            f"fewer than min_group = {min_group}; a sum over so few parties reveals their "
-            "contributions. The method must skip this sum, or set [run] min_group = 1 to accept "
-            "unprotected sums explicitly (they are recorded as unprotected releases)"
+            f"{what}: secure sum {key!r} over {list(group)} has {len(passive)} passive "
+            f"contributor(s), fewer than min_group = {cfg.min_group}; a sum over so few parties "
+            "reveals their contributions. The method must skip this sum, or set [run] "
+            "min_group = 1 to accept unprotected sums explicitly (they are recorded as "
+            "unprotected releases)"
         )
 
 
@@ -145,7 +157,9 @@ class PlainParty(PartySumStage):
     backend = "plain"
 
     def protect(self, x, *, round, group, key):
-        return {key: np.ascontiguousarray(x, dtype=np.float32)}
+        # exact: a float32 tensor stays float32, anything else travels as float64
+        x = np.asarray(x)
+        return {key: np.ascontiguousarray(x if x.dtype == np.float32 else x.astype(np.float64))}
 
 
 class PlainAggregator(AggregatorSumStage):
@@ -198,7 +212,6 @@ class MaskParty(PartySumStage):
         )
 
     def protect(self, x, *, round, group, key):
-        check_group("mask", group, min_group=self.s.min_group, key=key, what=f"party {self.s.name}")
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
         return {
@@ -220,7 +233,6 @@ class MaskAggregator(AggregatorSumStage):
         return a
 
     def combine_accepted(self, accepted, *, group, key):
-        check_group("mask", group, min_group=self.s.min_group, key=key, what="aggregator")
         _check_members(accepted, group, key)
         if len(group) == 1:  # explicit min_group = 1: nothing to add
             return {key: np.array(accepted[group[0]], dtype=np.uint64)}
@@ -268,7 +280,6 @@ class CkksParty(PartySumStage):
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
 
     def protect(self, x, *, round, group, key):
-        check_group("ckks", group, min_group=self.s.min_group, key=key, what=f"party {self.s.name}")
         packed = self.public.encrypt(np.asarray(x, dtype=np.float64).reshape(-1))
         return _chunk_arrays(key, packed.chunks)
 
@@ -297,7 +308,6 @@ class CkksAggregator(AggregatorSumStage):
     def combine_accepted(self, accepted, *, group, key):
         from crypto.ckks import CkksError
 
-        check_group("ckks", group, min_group=self.s.min_group, key=key, what="aggregator")
         _check_members(accepted, group, key)
         try:
             total = self.public.add_loaded([accepted[p] for p in sorted(accepted)])

@@ -13,13 +13,17 @@ Methods never know which secure-sum backend (plain, mask, ckks) or transport car
 
 from __future__ import annotations
 
+import fnmatch
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from securevfl.methods.options import NoOptions, parse_options
 
 if TYPE_CHECKING:
     import torch
@@ -78,13 +82,32 @@ class ActiveContext(Protocol):
         as after a private set intersection). Columns follow `config.party_names`."""
         ...
 
+    def sum_allowed(self, group: Sequence[str]) -> bool:
+        """Whether a secure sum over `group` may be asked for (the min_group rule: at least
+        `min_group` passive parties in secure modes). Ask only for allowed sums."""
+        ...
+
+    def return_gradients(
+        self,
+        grads: Mapping[tuple[str, ...], Mapping[str, np.ndarray]],
+        *,
+        ids: np.ndarray,
+        epoch: int,
+        op: str = "backward",
+    ) -> None:
+        """Send gradients of a batch-mean loss (as autograd gives them) to the parties:
+        ``grads[group][tensor]`` to every party of `group`, one call per group. The context owns
+        the batch-size convention and label DP (rows scaled to per-sample gradients, clipped
+        jointly, noised, scaled back); a party lost meanwhile is skipped."""
+        ...
+
     def release_gradients(
         self, grads: Mapping[str, np.ndarray], *, epoch: int, ids: np.ndarray | None = None
     ) -> dict[str, np.ndarray]:
-        """Apply label DP (if configured) to gradients about to leave the active party, and
-        record the release in the ledger. Every gradient sent to a party must pass through here,
-        all of one step in one call (rows = samples; each row is clipped jointly over every
-        entry). Pass the rows' sample ``ids`` so that each row's uses are counted exactly."""
+        """Apply label DP (if configured) to per-sample values about to leave the active party,
+        and record the release in the ledger (`return_gradients` does this for gradients; use
+        this for other label-derived values a method sends, all of one step in one call).
+        Pass the rows' sample ``ids`` so that each row's uses are counted exactly."""
         ...
 
     def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
@@ -171,31 +194,6 @@ class ActiveMethod(ABC):
     tolerates_dropout: bool = False
 
 
-def call_recipients(
-    config: RunConfig,
-    op: str,
-    sums: Sequence[SumSpec],
-    to: Sequence[str] | None,
-    parties: Sequence[str],
-) -> list[str]:
-    """What every `ActiveContext.call` does first: refuse a sum over a group its aggregation does
-    not allow (`secure_sum.check_group`), then name the recipients: `to`, else every party in a
-    sum's group, else all of `parties`."""
-    from securevfl.secure_sum import check_group
-
-    for spec in sums:
-        check_group(
-            config.aggregation,
-            spec.group,
-            min_group=config.min_group,
-            key=spec.key,
-            what=f"method {config.method!r}, op {op!r}",
-        )
-    if to is not None:
-        return list(to)
-    return sorted({p for s in sums for p in s.group}) or list(parties)
-
-
 class PartyDropped(RuntimeError):
     """Raised by `ActiveContext.call` when a party stopped answering mid-round and the method
     tolerates dropouts: the party is gone from `ctx.parties`; re-run the step with the survivors
@@ -218,26 +216,97 @@ class UnknownOperation(ValueError):
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    """A registered method: its two stages and what it supports."""
+class Release:
+    """What one tensor a party operation returns may do once it leaves the party.
+
+    ``to = "sum"``: only inside a secure sum over the call's group (never alone);
+    ``to = "clear"``: to the active party in the clear (a party's release policy must allow it
+    by name, ``op.tensor``). `tensor` may be a pattern (``rep_*``). ``per_row``: the tensor's
+    first axis is the call's rows, so embedding DP can clip it per row."""
+
+    tensor: str
+    to: str = "sum"
+    why: str = ""
+    per_row: bool = True
+
+    def __post_init__(self) -> None:
+        if self.to not in ("sum", "clear"):
+            raise ValueError(f"release of {self.tensor!r}: to must be 'sum' or 'clear'")
+
+    def matches(self, tensor: str) -> bool:
+        return fnmatch.fnmatchcase(tensor, self.tensor)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """A party operation a method may call: what it does, what it may release, which tensors
+    the active party may send with it (`inputs`, patterns), and whether it changes the party's
+    model (`updates`: sums of the same rows after it are of a new model version)."""
 
     name: str
-    active: type[ActiveMethod]
-    party: type[PartyMethod]
+    doc: str
+    releases: tuple[Release, ...] = ()
+    inputs: tuple[str, ...] = ()
+    updates: bool = False
+
+    def release_of(self, tensor: str) -> Release | None:
+        return next((r for r in self.releases if r.matches(tensor)), None)
+
+    def accepts_input(self, tensor: str) -> bool:
+        return any(fnmatch.fnmatchcase(tensor, p) for p in self.inputs)
+
+
+def _resolve(ref: str | type, what: str) -> type:
+    """A class given directly, or as ``"module:Class"`` (imported on first use, so that reading
+    a method's declaration never imports its model code)."""
+    if isinstance(ref, type):
+        return ref
+    module, _, attr = ref.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{what} {ref!r} must be a class or 'package.module:Class'")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's declaration: everything the engine reads about it.
+
+    `active` and `party` are its two stages (classes, or ``"module:Class"`` references imported
+    on first use); `operations` the party operations it may call, with what each releases (the
+    party checks every call against them); `options` its ``[method]`` options class
+    (`securevfl.methods.options`); `checks` functions ``(cfg, options)`` raising `ConfigError`
+    for settings the method cannot run with. `dp_sgd` says where DP-SGD may be configured
+    ("parties": the party models, "active": the active party's trainable part);
+    `secure_defaults` gives ``[secure]`` defaults (e.g. more fractional bits);
+    `tolerates_dropout`: the method goes on without a party that died."""
+
+    name: str
+    active: str | type
+    party: str | type
+    operations: tuple[Operation, ...] = ()
+    options: type = NoOptions
     tasks: tuple[str, ...] = ("binary", "multiclass", "regression")
     runs_on_sums: bool = True
     description: str = ""
-    extra_checks: tuple[Any, ...] = field(default=())
-    # defaults for [secure] keys the config leaves out (e.g. more fractional bits for a method
-    # that iterates to a fixed point)
+    checks: tuple[Callable[[Any, Any], None], ...] = ()
     secure_defaults: tuple[tuple[str, float], ...] = ()
-    # where `dp_sgd` may be configured: "parties" ([parties.NAME] dp_sgd on the party models)
-    # and/or "active" ([active] dp_sgd on the active party's trainable part); a method without
-    # SGD-trained models there refuses the key rather than ignore it
     dp_sgd: tuple[str, ...] = ()
+    tolerates_dropout: bool = False
+
+    def active_class(self) -> type[ActiveMethod]:
+        return _resolve(self.active, f"method {self.name!r}: active stage")
+
+    def party_class(self) -> type[PartyMethod]:
+        return _resolve(self.party, f"method {self.name!r}: party stage")
+
+    def operation(self, name: str) -> Operation | None:
+        return next((op for op in self.operations if op.name == name), None)
+
+    def parse_options(self, raw: Mapping[str, Any]) -> Any:
+        return parse_options(self.options, raw, method=self.name)
 
     def validate_config(self, cfg: RunConfig) -> None:
-        from securevfl.config import ConfigError
+        from securevfl.errors import ConfigError
 
         if cfg.task not in self.tasks:
             raise ConfigError(
@@ -263,15 +332,18 @@ class MethodSpec:
                 f"method {self.name!r} does not support DP-SGD at the active party; remove the "
                 "key ([privacy] label_dp protects the labels in what the parties receive)",
             )
-        for check in self.extra_checks:
-            check(cfg)
+        options = cfg.options if cfg.options is not None else self.parse_options({})
+        for check in self.checks:
+            check(cfg, options)
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
-    if spec.name in _REGISTRY:
+    """Add a method to the registry (built-in modules are found by `securevfl.methods`; third
+    parties use the ``securevfl.methods`` entry-point group, or call this)."""
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"method {spec.name!r} is registered twice")
     _REGISTRY[spec.name] = spec
     return spec

@@ -16,20 +16,22 @@ standard errors, t-based p-values and intervals. What each reveals is in `docs/v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from securevfl.config import ConfigError, RunConfig
-from securevfl.methods.base import ActiveContext, MethodSpec, register_method
+from securevfl.errors import ConfigError
+from securevfl.methods.base import ActiveContext, MethodSpec
+from securevfl.methods.options import option
 from securevfl.methods.vfem import (
-    COMMON_OPTIONS,
-    VFEM_SECURE_DEFAULTS,
-    BlockRegressionActive,
-    BlockRegressionParty,
-    VfemInputError,
-    option_check,
+    OPERATIONS,
+    SECURE_DEFAULTS,
+    RegressionOptions,
+    check_regression,
 )
+from securevfl.methods.vfem.active import BlockRegressionActive
+from securevfl.methods.vfem.block import VfemInputError
 
 
 class _OlsActive(BlockRegressionActive):
@@ -86,13 +88,19 @@ class SinglePartyActive(_OlsActive):
         return [("complete", rows, (party,), False)]
 
 
-def single_party(cfg: RunConfig) -> str:
+@dataclass(frozen=True)
+class SingleOptions(RegressionOptions):
+    party: str | None = option(None, "the role whose block is fitted (default: the active party)")
+
+
+def single_party(cfg: Any) -> str:
     """The role whose block single-ols fits: `[method] party`, default the active party."""
-    party = cfg.option("party")
+    party = cfg.options.party
     return cfg.active_name if party is None else str(party)
 
 
-def _check_single(cfg: RunConfig) -> None:
+def check_single(cfg: Any, opts: SingleOptions) -> None:
+    check_regression(cfg, opts)
     party = single_party(cfg)
     if party == cfg.active_name:
         if not cfg.active_columns:
@@ -118,43 +126,39 @@ def _check_single(cfg: RunConfig) -> None:
         )
 
 
-_SINGLE_OPTIONS: dict[str, Any] = {**COMMON_OPTIONS, "party": None}
-
-
-class _OlsParty(BlockRegressionParty):
-    method_label = "ols"
-
-
-def _register_ols(name: str, active: type, description: str, options: Any, *checks) -> None:
-    register_method(
-        MethodSpec(
-            name=name,
-            active=active,
-            party=_OlsParty,
-            tasks=("regression",),
-            description=description,
-            extra_checks=(option_check(options), *checks),
-            secure_defaults=VFEM_SECURE_DEFAULTS,
-        )
+SPECS = [
+    MethodSpec(
+        name=name,
+        active=active,
+        party="securevfl.methods.vfem.party:BlockRegressionParty",
+        operations=OPERATIONS,
+        options=options,
+        tasks=("regression",),
+        description=description,
+        checks=(check,),
+        secure_defaults=SECURE_DEFAULTS,
     )
-
-
-_register_ols(
-    "cc-ols",
-    CompleteCaseActive,
-    "complete-case OLS over the parties (a VFEM comparator)",
-    COMMON_OPTIONS,
-)
-_register_ols(
-    "impute-ols",
-    MeanImputationActive,
-    "mean-imputation OLS over the parties (a VFEM comparator)",
-    COMMON_OPTIONS,
-)
-_register_ols(
-    "single-ols",
-    SinglePartyActive,
-    "OLS on one role's block (a VFEM comparator)",
-    _SINGLE_OPTIONS,
-    _check_single,
-)
+    for name, active, options, check, description in (
+        (
+            "cc-ols",
+            CompleteCaseActive,
+            RegressionOptions,
+            check_regression,
+            "complete-case OLS over the parties (a VFEM comparator)",
+        ),
+        (
+            "impute-ols",
+            MeanImputationActive,
+            RegressionOptions,
+            check_regression,
+            "mean-imputation OLS over the parties (a VFEM comparator)",
+        ),
+        (
+            "single-ols",
+            SinglePartyActive,
+            SingleOptions,
+            check_single,
+            "OLS on one role's block (a VFEM comparator)",
+        ),
+    )
+]

@@ -8,19 +8,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
+from securevfl.lazy import torch
 from securevfl.methods.base import (
     ActiveContext,
     ActiveMethod,
     MethodSpec,
+    Operation,
     PartyMethod,
+    Release,
     SumSpec,
     UnknownOperation,
-    register_method,
 )
-from securevfl.methods.nn import (
+from securevfl.methods.blocks.batches import chunks
+from securevfl.methods.blocks.nets import (
     Standardizer,
     batches,
     class_count,
@@ -31,15 +32,28 @@ from securevfl.methods.nn import (
     task_loss,
 )
 from securevfl.metrics import task_metrics
-from securevfl.privacy.runtime import PrivateTraining, private_training
 
-EVAL_BATCH = 4096
+OPERATIONS = (
+    Operation(
+        "forward",
+        "the encoder's output f_k(x_k) on rows `ids` (train: kept for the backward)",
+        releases=(Release("rep", why="the representation: only inside the sum over all parties"),),
+    ),
+    Operation(
+        "backward",
+        "dL/dS of the last training forward; the party steps its encoder",
+        inputs=("grad",),
+        updates=True,
+    ),
+)
 
 
 class SplitNNParty(PartyMethod):
     """A passive party's encoder f_k."""
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        from securevfl.privacy.runtime import private_training
+
         train_ids = inputs["train_ids"]
         self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
         self.encoder = mlp(
@@ -55,9 +69,9 @@ class SplitNNParty(PartyMethod):
             self, self.encoder, self.optimizer, expected_batch_size=self.config.batch_size
         )
         self.encoder, self.optimizer = self.training.module, self.training.optimizer
-        self._pending: tuple[np.ndarray, torch.Tensor] | None = None
+        self._pending: tuple[np.ndarray, Any] | None = None
 
-    def _inputs(self, ids: np.ndarray) -> torch.Tensor:
+    def _inputs(self, ids: np.ndarray) -> Any:
         return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
 
     def handle(
@@ -103,19 +117,6 @@ class SplitNNParty(PartyMethod):
         self.scaler.load_state_dict(state["scaler"])
 
 
-class Fusion(nn.Module):
-    """``head(S + own(x))``: the active party's trainable part as one module, so that DP-SGD
-    (``[active] dp_sgd``) wraps the head and the active party's own encoder together."""
-
-    def __init__(self, head: nn.Module, own: nn.Module | None) -> None:
-        super().__init__()
-        self.head = head
-        self.own = own
-
-    def forward(self, s: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(s if self.own is None else s + self.own(x))
-
-
 class SplitNNActive(ActiveMethod):
     """The head g (and the active party's own encoder if it holds columns)."""
 
@@ -137,17 +138,17 @@ class SplitNNActive(ActiveMethod):
                 cfg.width,
                 seed=derived_seed(cfg.seed, "encoder", cfg.active_name),
             ).to(self.device)
+        from securevfl.methods.blocks.modules import Fusion
+
         self.fusion = Fusion(self.head, self.own)
         self.optimizer = make_optimizer(self.fusion.parameters(), cfg)
         self.scaler = Standardizer()
-        self.training: PrivateTraining | None = None
+        self.training = None
 
     def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
         return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
 
-    def _forward(
-        self, ctx: ActiveContext, ids: np.ndarray, *, train: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, ctx: ActiveContext, ids: np.ndarray, *, train: bool) -> tuple[Any, Any]:
         total = ctx.call("forward", ids=ids, args={"train": train}, sums=self._sum_spec(ctx))["S"]
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
         model = self.training.model if train and self.training is not None else self.fusion
@@ -167,6 +168,8 @@ class SplitNNActive(ActiveMethod):
             )
         if ctx.start_epoch == 0:
             self.scaler.fit(self.table.rows(train_ids))
+        from securevfl.privacy.runtime import private_training
+
         # DP-SGD on head (+ own encoder) when [active] dp_sgd is set; the loss is a batch mean
         self.training = private_training(
             ctx, self.fusion, self.optimizer, expected_batch_size=cfg.batch_size
@@ -181,16 +184,10 @@ class SplitNNActive(ActiveMethod):
                 loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
                 loss.backward()
-                # per-sample gradients dl_i/dS_i (loss is a mean): DP clips rows of these
-                per_sample = (s.grad * len(ids)).cpu().numpy()
                 # the head steps first: a DP-SGD budget that runs out stops before any release
                 self.training.step(epoch=epoch)
-                released = ctx.release_gradients({"grad": per_sample}, epoch=epoch, ids=ids)
-                ctx.call(
-                    "backward",
-                    ids=ids,
-                    inputs={"grad": released["grad"] / len(ids)},
-                    to=ctx.parties,
+                ctx.return_gradients(
+                    {tuple(ctx.parties): {"grad": s.grad.cpu().numpy()}}, ids=ids, epoch=epoch
                 )
                 total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
@@ -206,8 +203,8 @@ class SplitNNActive(ActiveMethod):
         self.fusion.eval()
         outs = []
         with torch.no_grad():
-            for start in range(0, len(ids), EVAL_BATCH):
-                _, out = self._forward(ctx, ids[start : start + EVAL_BATCH], train=False)
+            for chunk in chunks(ids):
+                _, out = self._forward(ctx, chunk, train=False)
                 outs.append(out.cpu().numpy())
         return np.concatenate(outs) if outs else np.empty((0, 1))
 
@@ -233,12 +230,11 @@ class SplitNNActive(ActiveMethod):
             self.own.load_state_dict(state["own"])
 
 
-SPEC = register_method(
-    MethodSpec(
-        name="splitnn",
-        active=SplitNNActive,
-        party=SplitNNParty,
-        dp_sgd=("parties", "active"),
-        description="split-NN baseline: summed party representations, head at the active party",
-    )
+SPEC = MethodSpec(
+    name="splitnn",
+    active=SplitNNActive,
+    party=SplitNNParty,
+    operations=OPERATIONS,
+    dp_sgd=("parties", "active"),
+    description="split-NN baseline: summed party representations, head at the active party",
 )

@@ -10,14 +10,12 @@ import socket
 import time
 from typing import Any
 
-import numpy as np
-
 from securevfl.config import RunConfig
 from securevfl.keys import AGGREGATOR, load_public, load_secrets
 from securevfl.roles import protocol as P
-from securevfl.roles.party import parse_sums
-from securevfl.secure_sum import ContributionError, GroupTooSmall, SumSession, backend
-from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout
+from securevfl.roles.rounds import AggregatorRound, tolerates_dropout
+from securevfl.secure_sum import ContributionError
+from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout, TransportError
 
 
 class Aggregator:
@@ -27,15 +25,13 @@ class Aggregator:
         self.logger = logger
         self.active = cfg.active_name
         self.parties = set(cfg.party_names)
-        self.stage = None
         self.session: bytes | None = None
+        self.rounds: AggregatorRound | None = None
         self.last_round = -1
         self.dead: set[str] = set()
         self.rejected = 0
-        from securevfl.methods import method_spec
-
         # methods such as LASER-VFL go on without a lost party; the others stop, resumable
-        self.tolerates_dropout = bool(method_spec(cfg.method).active.tolerates_dropout)
+        self.tolerates_dropout = tolerates_dropout(cfg)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -101,6 +97,7 @@ class Aggregator:
             self.logger.info("%s joined (%d/%d)", env.sender, len(nonces), len(roles))
         session = P.session_id(nonces)
         self.session = bytes.fromhex(session)
+        self.rounds = AggregatorRound(cfg=self.cfg, session=self.session)
         self.hub.session = session
         for role in roles:
             self.hub.send(
@@ -160,49 +157,28 @@ class Aggregator:
             )
             return
         self.last_round = env.round
-        to = list(env.meta.get("to", []))
-        sums = parse_sums(env.meta)
-        unknown = sorted(set(to) - self.parties)
-        if unknown or len(set(to)) != len(to):
-            raise P.RunAborted(f"call names unknown or repeated parties {unknown or to}")
-        for spec in sums:
-            outside = sorted(set(spec.group) - set(to))
-            if outside:
-                raise P.RunAborted(f"sum {spec.key!r} names parties {outside} not in the call")
-            try:
-                from securevfl.secure_sum import check_group
-
-                check_group(
-                    self.cfg.aggregation,
-                    spec.group,
-                    min_group=self.cfg.min_group,
-                    key=spec.key,
-                    what=f"aggregator, op {env.meta.get('op')!r}",
-                )
-            except GroupTooSmall as exc:
-                raise P.RunAborted(str(exc)) from None
-        gone = sorted(set(to) & self.dead)
+        call = self.rounds.open(env)
+        gone = sorted(set(call.to) & self.dead)
         if gone:  # the active party has not yet heard of the loss: tell it, run nothing
-            self._tell_lost(env, gone)
+            self._send(self.active, self.rounds.lost(call, gone, delivered=False))
             return
-        if env.meta.get("op") == P.OP_SETUP:
-            ckks = env.tensors.get("ckks_context")
-            self.stage = backend(self.cfg.aggregation).aggregator(
-                SumSession(
-                    name=AGGREGATOR,
-                    session=self.session or b"",
-                    min_group=self.cfg.min_group,
-                    frac_bits=self.cfg.frac_bits,
-                    bound=self.cfg.bound,
-                    ckks_public_context=None if ckks is None else ckks.tobytes(),
-                )
-            )
-        for party in to:
-            self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
+        failed = []
+        for party in call.to:
+            try:
+                self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
+            except TransportError as exc:  # gone before its heartbeat expired
+                lost = P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party)
+                if not self._drop(lost):
+                    raise lost from None
+                failed.append(party)
+        if failed:  # the others got the call: they may have run it
+            delivered = len(failed) < len(call.to)
+            self._send(self.active, self.rounds.lost(call, failed, delivered=delivered))
+            return
         replies: dict[str, Envelope] = {}
-        accepted: dict[str, dict[str, Any]] = {spec.key: {} for spec in sums}
-        while len(replies) < len(to):
-            waiting = sorted(set(to) - set(replies))
+        accepted: dict[str, dict[str, Any]] = {spec.key: {} for spec in call.sums}
+        while len(replies) < len(call.to):
+            waiting = sorted(set(call.to) - set(replies))
             try:
                 reply = self._recv(
                     timeout=self.cfg.round_timeout,
@@ -211,10 +187,10 @@ class Aggregator:
             except P.RunAborted as exc:
                 if not self._drop(exc):
                     raise
-                if exc.lost in to:
+                if exc.lost in call.to:
                     # the round cannot complete: discard the survivors' contributions (their
                     # masks were for this group) and let the active party re-run it
-                    self._tell_lost(env, [exc.lost], delivered=True)
+                    self._send(self.active, self.rounds.lost(call, [exc.lost], delivered=True))
                     return
                 continue
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
@@ -227,7 +203,7 @@ class Aggregator:
                 )
                 continue
             try:
-                mine = self._accept(reply, sums)
+                mine = self.rounds.accept(call, reply)
             except (ContributionError, ValueError) as exc:
                 self.rejected += 1
                 self.logger.warning(
@@ -237,49 +213,7 @@ class Aggregator:
             for key, value in mine.items():
                 accepted[key][reply.sender] = value
             replies[reply.sender] = reply
-        tensors: dict[str, np.ndarray] = {}
-        shapes: dict[str, Any] = {}
-        for spec in sums:
-            party_shapes = {
-                tuple(replies[p].meta.get("shapes", {}).get(spec.key, ())) for p in spec.group
-            }
-            if len(party_shapes) != 1:
-                raise P.RunAborted(
-                    f"sum {spec.key!r}: parties sent different shapes {party_shapes}"
-                )
-            try:
-                tensors.update(
-                    self.stage.combine_accepted(accepted[spec.key], group=spec.group, key=spec.key)
-                )
-            except (ContributionError, ValueError) as exc:
-                raise P.RunAborted(f"round {env.round}, sum {spec.key!r}: {exc}") from None
-            shapes[spec.key] = list(party_shapes.pop())
-        # tensors a party sends to the active party in the clear (named "name@party")
-        for party, reply in replies.items():
-            for k, v in reply.tensors.items():
-                if "@" in k:
-                    if k.rsplit("@", 1)[1] != party:
-                        raise P.RunAborted(f"{party} sent {k!r}, which claims another sender")
-                    tensors[k] = v
-        self._reply(self.active, P.RESULT, env, tensors=tensors, meta={"shapes": shapes})
-
-    def _accept(self, reply: Envelope, sums: list) -> dict[str, Any]:
-        """Validate every array a party sent for this round before any of it is used."""
-        mine = [s for s in sums if reply.sender in s.group]
-        expected = {s.key for s in mine}
-        for name in reply.tensors:
-            base = name.split("/", 1)[0]
-            if base not in expected and not name.endswith(f"@{reply.sender}"):
-                raise ContributionError(f"unexpected tensor {name!r}")
-        out = {}
-        for spec in mine:
-            arrays = {
-                k: v
-                for k, v in reply.tensors.items()
-                if k == spec.key or k.startswith(spec.key + "/")
-            }
-            out[spec.key] = self.stage.accept(arrays, key=spec.key, sender=reply.sender)
-        return out
+        self._send(self.active, self.rounds.result(call, replies, accepted))
 
     def _drop(self, exc: P.RunAborted) -> bool:
         """Record a lost passive party if the method can go on without it."""
@@ -298,12 +232,8 @@ class Aggregator:
             return False
         return True
 
-    def _tell_lost(self, env: Envelope, lost: list[str], *, delivered: bool = False) -> None:
-        """Tell the active party the round failed because `lost` are gone; `delivered`: the
-        call had reached every recipient (the others have run it)."""
-        self._reply(
-            self.active, P.RESULT, env, meta={"lost": lost, "shapes": {}, "delivered": delivered}
-        )
+    def _send(self, to: str, env: Envelope) -> None:
+        self.hub.send(to, env)
 
     def _reply(self, to: str, kind: str, env: Envelope, **fields: Any) -> None:
         """Send `kind` to `to` in the session and round of `env`."""

@@ -11,7 +11,7 @@ import torch
 from securevfl.config import ConfigError
 from securevfl.data.table import load_party_table, split_federation
 from securevfl.inproc import run_federation
-from securevfl.methods.laser import BlockParty
+from securevfl.methods.blocks.party import BlockParty
 from securevfl.privacy.ledger import LEDGER_FILENAME, LedgerEvent, PrivacyLedger
 from tests.securevfl.test_laser import INPROC_NETWORK, block_config
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from securevfl.inproc import run_federation
-from securevfl.methods import MethodSpec, PartyDropped, register_method, registry
+from securevfl.methods import MethodSpec, PartyDropped, method_spec, register_method, registry
 from securevfl.methods.splitnn import SplitNNActive, SplitNNParty
 from tests.securevfl.conftest import make_config
 
@@ -30,7 +30,6 @@ class FlakyParty(SplitNNParty):
 class TolerantActive(SplitNNActive):
     """Split-NN that re-runs a step without a lost party (as LASER-VFL does)."""
 
-    tolerates_dropout = True
     retried = 0
 
     def _forward(self, ctx, ids, *, train):
@@ -41,17 +40,25 @@ class TolerantActive(SplitNNActive):
                 type(self).retried += 1
 
 
-def _register(name, active):
+def _register(name, active, *, tolerant):
     if name not in registry():
-        register_method(MethodSpec(name=name, active=active, party=FlakyParty))
+        register_method(
+            MethodSpec(
+                name=name,
+                active=active,
+                party=FlakyParty,
+                operations=method_spec("splitnn").operations,
+                tolerates_dropout=tolerant,
+            )
+        )
 
 
 @pytest.fixture(autouse=True)
 def _reset():
     FlakyParty.calls = 0
     TolerantActive.retried = 0
-    _register("test-tolerant", TolerantActive)
-    _register("test-intolerant", SplitNNActive)
+    _register("test-tolerant", TolerantActive, tolerant=True)
+    _register("test-intolerant", SplitNNActive, tolerant=False)
 
 
 def test_tolerant_method_continues_without_the_lost_party(small_federation):

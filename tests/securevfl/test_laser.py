@@ -20,15 +20,15 @@ from securevfl.data.table import (
     write_csv,
 )
 from securevfl.direct import DirectFederation
+from securevfl.methods import method_spec
+from securevfl.methods.blocks.batches import pattern_batches, pattern_codes
+from securevfl.methods.blocks.options import lr_at
+from securevfl.methods.blocks.party import BlockParty
 from securevfl.methods.laser import (
-    BlockParty,
     LaserActive,
     draw_family,
     exact_tasks,
     laser_objective,
-    lr_at,
-    pattern_batches,
-    pattern_codes,
     sample_tasks,
     task_weights,
 )
@@ -441,14 +441,15 @@ def test_laser_learns_with_missing_blocks(tmp_path):
 def test_a_lost_party_is_treated_as_missing_and_training_goes_on(tmp_path):
     cfg = block_config(tmp_path, aggregation="mask", p_train=0.2, epochs=3)
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
-    assert fed.method.tolerates_dropout
+    assert method_spec("laser").tolerates_dropout
     fed.drop("p1", at_round=40)
     metrics = fed.run()
     assert len(fed.history) == 3
     assert fed.method.dead == ["p1"]
-    after = [c for c in fed.calls[39:] if "p1" in c[1]]
+    # calls[39] is round 40, the one p1 died in (recorded as asked); nothing after it
+    after = [c for c in fed.calls[40:] if "p1" in c[1]]
     assert not after, "a call went to the lost party"
-    assert all("p1" not in spec.group for c in fed.calls[39:] for spec in c[2])
+    assert all("p1" not in spec.group for c in fed.calls[40:] for spec in c[2])
     assert metrics["n_eval"] == len(fed.test_ids)
     assert any("lost" in line for line in fed.logs)
 
@@ -458,14 +459,14 @@ def test_a_party_lost_during_backward_keeps_the_others_updates(tmp_path):
     again (they would apply it twice; the real party stage refuses a second backward)."""
     cfg = block_config(tmp_path, epochs=1)
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
-    # round 2 is the first backward of the first batch
-    fed.drop("p0", at_round=2)
+    # round 1 is the set-up, round 2 the first batch's forward, round 3 its first backward
+    fed.drop("p0", at_round=3)
     fed.run()
     assert fed.method.dead == ["p0"]
-    assert fed.calls[1][0] == "backward" and "p0" not in fed.calls[1][1]
+    assert fed.calls[2][0] == "backward" and "p0" not in fed.calls[2][1]
     # between the first batch's forward and the next one, each survivor gets one backward
-    nxt = next(i for i, c in enumerate(fed.calls[1:], start=1) if c[0] == "forward")
-    got = [p for c in fed.calls[1:nxt] for p in c[1]]
+    nxt = next(i for i, c in enumerate(fed.calls[2:], start=2) if c[0] == "forward")
+    got = [p for c in fed.calls[2:nxt] for p in c[1]]
     assert sorted(got) == ["p1", "p2", "p3"], "a backward was sent twice"
     assert all(fed.party_methods[p]._pending is None for p in ("p1", "p2", "p3"))
 
@@ -534,7 +535,13 @@ def test_laser_run_survives_a_party_lost_mid_training(tmp_path):
     if "test-laser-crash" not in registry():
         register_method(
             MethodSpec(
-                name="test-laser-crash", active=LaserActive, party=CrashingParty, tasks=("binary",)
+                name="test-laser-crash",
+                active=LaserActive,
+                party=CrashingParty,
+                operations=method_spec("laser").operations,
+                options=method_spec("laser").options,
+                tasks=("binary",),
+                tolerates_dropout=True,
             )
         )
     CrashingParty.forwards = 0
@@ -583,4 +590,4 @@ def test_the_credit_example_config_is_valid():
     path = Path(__file__).resolve().parents[2] / "securevfl/examples/credit_laser.toml"
     cfg = load_config(path)
     assert cfg.method == "laser" and cfg.aggregation == "mask" and len(cfg.parties) == 4
-    assert cfg.option("balanced") is True and cfg.missing_train.get("p") == 0.5
+    assert cfg.options.balanced is True and cfg.missing_train.get("p") == 0.5

@@ -82,9 +82,20 @@ def _sign_agreement(words: np.ndarray) -> np.ndarray:
 
 
 def test_group_smaller_than_min_group_is_refused():
-    secure_sum.check_group("plain", ["a"], min_group=2, key="S", what="test")  # plain: baseline
+    from types import SimpleNamespace
+
+    def cfg(aggregation, min_group=2):
+        return SimpleNamespace(
+            aggregation=aggregation, min_group=min_group, party_names=("a", "b", "c")
+        )
+
+    secure_sum.check_group(cfg("plain"), ["a"], key="S", what="test")  # plain: baseline
     for backend in ("mask", "ckks"):
         with pytest.raises(secure_sum.GroupTooSmall, match="min_group = 2") as info:
-            secure_sum.check_group(backend, ["a"], min_group=2, key="S", what="method laser")
+            secure_sum.check_group(cfg(backend), ["a"], key="S", what="method laser")
         assert "method laser" in str(info.value)
-    secure_sum.check_group("mask", ["a"], min_group=1, key="S", what="explicit opt-in")
+        # only passive parties count: the active party or the aggregator are no protection
+        for extra in ("active", "aggregator"):
+            assert not secure_sum.group_allowed(cfg(backend), ["a", extra])
+        assert secure_sum.group_allowed(cfg(backend), ["a", "b"])
+    secure_sum.check_group(cfg("mask", 1), ["a"], key="S", what="explicit opt-in")

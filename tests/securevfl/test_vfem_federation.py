@@ -15,7 +15,7 @@ import pytest
 from securevfl.config import ConfigError, parse_config
 from securevfl.data.table import read_csv_columns, train_test_split, write_csv
 from securevfl.inproc import run_federation
-from securevfl.methods.vfem import BlockState, VfemInputError
+from securevfl.methods.vfem.block import BlockState, VfemInputError
 from securevfl.stats.reference import (
     RegressionData,
     beta_positions,
@@ -146,7 +146,8 @@ def test_federation_matches_the_likelihood_oracle(three_party):
     errors = its observed-information standard errors (1%)."""
     data = three_party["data"]
     mle = fit_mle(data, beta_start=cc_ols(data).coef)
-    assert mle["grad_norm"] < 1e-8
+    # the test-side optimiser stops within ~1e-8 (SciPy versions differ in the last digit)
+    assert mle["grad_norm"] < 1e-7
     for agg in ("mask", "plain"):
         est, se = estimates(three_party["runs"][agg][1])
         assert np.max(np.abs(est - mle["beta"])) < 1e-5
@@ -320,7 +321,7 @@ def test_block_with_empty_cells_in_held_rows_names_the_column():
         ({"secure": {"frac_bits": 20}}, "[secure] frac_bits", "frac_bits = 40"),
         ({"method": {"init": "mean"}}, "[method] init", "cc, impute, zero"),
         ({"method": {"stepsize": 1}}, "[method] stepsize", "unknown option"),
-        ({"method": {"eta": -1}}, "[method] eta", "must be a number"),
+        ({"method": {"eta": -1}}, "[method] eta", "or a number in (0, 100]"),
         (
             {"run": {"method": "single-ols", "aggregation": "mask"}, "method": {"party": "b"}},
             "[method] party",
@@ -346,7 +347,7 @@ def test_config_checks_name_the_key(changes, key, words):
 
 
 def test_resume_after_a_crash_gives_the_same_estimates(tmp_path, monkeypatch):
-    from securevfl.methods import vfem
+    from securevfl.methods.vfem import block as vfem
 
     y, blocks = simulate(400, (0.2, 0.4, 0.6), seed=6)
     every = {"method.checkpoint_every": 20}

@@ -1,17 +1,19 @@
-"""Neural building blocks shared by the neural methods: MLPs, standardisation, losses, seeding."""
+"""Neural building blocks of the encoder + head methods: MLPs, standardisation, losses, seeds,
+batches. Torch is imported on first use (`securevfl.lazy`)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
-from securevfl.config import RunConfig
+from securevfl.lazy import nn, torch
+
+if TYPE_CHECKING:
+    from securevfl.config import RunConfig
 
 
 def derived_seed(seed: int, *names: str | int) -> int:

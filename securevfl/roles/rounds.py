@@ -1,0 +1,725 @@
+"""One round implementation: the three stages of every call, written once and moved by any
+transport.
+
+    active  `ActiveRound.call`  --call envelope-->  aggregator `AggregatorRound.open`
+    party   `PartyRound.answer` --contribution-->   aggregator `AggregatorRound.accept`
+    active  `ActiveRound.call`  <--result--         aggregator `AggregatorRound.result`
+
+None of them touches a socket: the roles (`roles/active.py`, `roles/aggregator.py`,
+`roles/party.py`) move envelopes over ZeroMQ (TCP between processes or inproc between threads),
+and `securevfl.direct` moves the same envelopes in memory. So DP, the ledger, budgets, the
+min_group rule and checkpoints are the same on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from securevfl.config import RunConfig
+from securevfl.errors import RunAborted
+from securevfl.methods import PartyDropped, SumSpec, method_spec
+from securevfl.roles import protocol as P
+from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
+from securevfl.secure_sum import (
+    ContributionError,
+    GroupTooSmall,
+    SumSession,
+    backend,
+    check_group,
+    ckks_context_tag,
+    group_allowed,
+)
+from transport import Envelope
+
+Exchange = Callable[[Envelope], Envelope]
+
+
+# ------------------------------------------------------------------------------------ calls
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the active party asks of the parties in one round."""
+
+    op: str
+    round: int
+    session: str
+    ids: np.ndarray
+    args: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Mapping[str, np.ndarray] = field(default_factory=dict)
+    sums: tuple[SumSpec, ...] = ()
+    to: tuple[str, ...] = ()
+    collect: tuple[str, ...] = ()
+
+    def envelope(self, *, sender: str) -> Envelope:
+        return Envelope(
+            kind=P.CALL,
+            sender=sender,
+            session=self.session,
+            round=self.round,
+            tensors={"ids": np.asarray(self.ids, dtype=np.int64), **dict(self.inputs)},
+            meta={
+                "op": self.op,
+                "args": dict(self.args),
+                "to": list(self.to),
+                "sums": [[s.key, s.tensor, list(s.group)] for s in self.sums],
+                "collect": list(self.collect),
+            },
+        )
+
+
+def parse_call(env: Envelope) -> Call:
+    """The call an envelope carries; raises ValueError naming what is malformed."""
+    meta = env.meta
+    op, args = meta.get("op"), meta.get("args", {})
+    to, collect, raw_sums = meta.get("to", []), meta.get("collect", []), meta.get("sums", [])
+    if not isinstance(op, str) or not isinstance(args, dict):
+        raise ValueError("a call needs a string op and a table of args")
+    for what, value in (("to", to), ("collect", collect)):
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ValueError(f"a call's {what!r} must be a list of names")
+    if "ids" not in env.tensors:
+        raise ValueError("a call carries no sample ids")
+    sums = []
+    for item in raw_sums if isinstance(raw_sums, list) else [None]:
+        ok = (
+            isinstance(item, list)
+            and len(item) == 3
+            and isinstance(item[0], str)
+            and isinstance(item[1], str)
+            and isinstance(item[2], list)
+            and all(isinstance(g, str) for g in item[2])
+        )
+        if not ok:
+            raise ValueError(f"malformed sum in a call: {item!r}")
+        sums.append(SumSpec(key=item[0], tensor=item[1], group=tuple(item[2])))
+    return Call(
+        op=op,
+        round=env.round,
+        session=env.session,
+        ids=np.asarray(env.tensors["ids"]),
+        args=args,
+        inputs={k: v for k, v in env.tensors.items() if k != "ids"},
+        sums=tuple(sums),
+        to=tuple(to),
+        collect=tuple(collect),
+    )
+
+
+def sum_arrays(tensors: Mapping[str, np.ndarray], key: str) -> dict[str, np.ndarray]:
+    """The arrays of sum `key` among a message's tensors (``key`` or ``key/<chunk>``)."""
+    return {k: v for k, v in tensors.items() if k == key or k.startswith(key + "/")}
+
+
+# ------------------------------------------------------------------------------------ party
+
+
+class PartyRound:
+    """A passive party's stage of every round: set-up, checkpoints and the method's operations,
+    each contribution passed through embedding DP and protected for its sum."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        name: str,
+        method: Any,
+        run_dir: Path,
+        ledger: Any,
+        logger: logging.Logger,
+        session: bytes,
+        mask_keypair: Any,
+        mask_publics: Mapping[str, bytes],
+    ) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.method = method
+        self.run_dir = Path(run_dir)
+        self.ledger = ledger
+        self.logger = logger
+        self.session = session
+        self.mask_keypair = mask_keypair
+        self.mask_publics = dict(mask_publics)
+        self.stage: Any = None
+        self.privacy: Any = None
+        self.received: Any = None
+        self._single_sums: set[tuple[str, str, int]] = set()
+        # what a caller may watch (the direct path's test kit): (spec, the released value)
+        self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
+
+    def answer(self, env: Envelope) -> Envelope:
+        """The contribution envelope answering call `env`."""
+        call = parse_call(env)
+        if call.op == P.OP_SETUP:
+            tensors = self._setup(call)
+        elif call.op == P.OP_CHECKPOINT:
+            tensors = self._checkpoint(call)
+        else:
+            tensors, shapes = self._operation(call)
+            return self._reply(call, tensors, shapes)
+        return self._reply(call, tensors, {})
+
+    def _reply(self, call: Call, tensors: dict, shapes: dict) -> Envelope:
+        return Envelope(
+            kind=P.CONTRIB,
+            sender=self.name,
+            session=call.session,
+            round=call.round,
+            tensors=tensors,
+            meta={"shapes": shapes},
+        )
+
+    def _setup(self, call: Call) -> dict[str, np.ndarray]:
+        from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
+
+        inputs = call.inputs
+        # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
+        # must not count rows the party never trains on
+        held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
+        plan = plan_role(self.cfg, role=self.name, n_train=held or len(inputs["train_ids"]))
+        self.privacy = RolePrivacy(plan=plan, ledger=self.ledger)
+        self.privacy.set_rows(inputs["all_ids"])
+        self.method.privacy = self.privacy
+        if self.cfg.record_received:
+            self.received = ReceivedGradients(self.run_dir / "received" / f"{self.name}.npz")
+        if self.cfg.aggregation == "plain" and plan.embedding_dp is None:
+            self.privacy.record_unprotected_once(
+                what="representations sent to sums",
+                reason="aggregation = plain: the aggregator and the active party see each "
+                "contribution in the clear",
+            )
+        self.method.setup(args=call.args, inputs=inputs)
+        ckks = inputs.get("ckks_context")
+        if ckks is not None:
+            self._check_context_tag(ckks.tobytes(), call.args.get("ckks_tags", {}))
+        self.stage = backend(self.cfg.aggregation).party(
+            SumSession(
+                name=self.name,
+                session=self.session,
+                min_group=self.cfg.min_group,
+                frac_bits=self.cfg.frac_bits,
+                bound=self.cfg.bound,
+                mask_keypair=self.mask_keypair,
+                mask_publics=self.mask_publics,
+                ckks_public_context=None if ckks is None else ckks.tobytes(),
+            )
+        )
+        resume_epoch = int(call.args.get("resume_epoch", -1))
+        if resume_epoch >= 0:
+            self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
+            self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
+        self.privacy.epoch = resume_epoch + 1
+        # which of the active party's rows this party holds (what a PSI would tell it)
+        return {f"present@{self.name}": self.method.table.has(inputs["all_ids"])}
+
+    def _checkpoint(self, call: Call) -> dict[str, np.ndarray]:
+        epoch = int(call.args["epoch"])
+        save_checkpoint(self.run_dir, self.name, epoch, self.method.state_dict())
+        self.privacy.epoch = epoch + 1
+        if self.received is not None:
+            self.received.save()
+        return {}
+
+    def _check_context_tag(self, context: bytes, tags: Mapping[str, str]) -> None:
+        active = self.cfg.active_name
+        expected = ckks_context_tag(
+            context=context,
+            my_keypair=self.mask_keypair,
+            me=self.name,
+            peer=active,
+            peer_public=self.mask_publics[active],
+            session=self.session,
+        )
+        import hmac
+
+        if not hmac.compare_digest(bytes.fromhex(str(tags.get(self.name, ""))), expected):
+            raise RunAborted(
+                "the CKKS public context failed authentication: it was not sent by the active "
+                f"party {active!r} (the aggregator or the network altered it); refusing to encrypt"
+            )
+
+    def _record_single_sum(self, op: str, spec: SumSpec) -> None:
+        """A secure sum with one contributor is that contribution: say so in the ledger, once
+        per sum and epoch (only when embedding DP does not protect it)."""
+        if self.cfg.aggregation == "plain" or self.privacy.plan.embedding_dp is not None:
+            return
+        seen = (op, spec.key, self.privacy.epoch)
+        if seen in self._single_sums:
+            return
+        self._single_sums.add(seen)
+        self.privacy.ledger.record_unprotected(
+            role=self.name,
+            what=f"sum {spec.key!r} of {op!r} with this party alone",
+            reason="[run] min_group = 1: a sum with a single contributor is that party's "
+            "contribution, revealed to the active party",
+            epoch=self.privacy.epoch,
+        )
+
+    def _operation(self, call: Call) -> tuple[dict[str, np.ndarray], dict[str, list[int]]]:
+        if self.stage is None:
+            raise RuntimeError(f"call {call.op!r} before setup")
+        if self.received is not None and call.op == "backward":
+            self.received.add(call.inputs, ids=call.ids, epoch=self.privacy.epoch)
+        out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
+        specs = [spec for spec in call.sums if self.name in spec.group]
+        for spec in specs:
+            if spec.tensor not in out:
+                raise RuntimeError(
+                    f"method {self.cfg.method!r} did not produce tensor {spec.tensor!r} for "
+                    f"{call.op!r}"
+                )
+        # embedding DP: once per call (the call's tensors clipped jointly per row), before
+        # masking or encryption; a noised tensor then feeds every sum it is part of for free
+        contributions = {t: np.asarray(out[t]) for t in dict.fromkeys(s.tensor for s in specs)}
+        released = self.privacy.release_contributions(contributions, ids=call.ids)
+        tensors: dict[str, np.ndarray] = {}
+        shapes: dict[str, list[int]] = {}
+        for spec in specs:
+            value = released[spec.tensor]
+            if len(spec.group) == 1:
+                self._record_single_sum(call.op, spec)
+            if self.observe is not None:
+                self.observe(spec, value)
+            tensors.update(
+                self.stage.protect(value, round=call.round, group=spec.group, key=spec.key)
+            )
+            shapes[spec.key] = list(np.shape(value))
+        for name in call.collect:
+            tensors[f"{name}@{self.name}"] = np.asarray(out[name])
+        return tensors, shapes
+
+
+# ------------------------------------------------------------------------------------ aggregator
+
+
+class AggregatorRound:
+    """The aggregator's stage of every round: check the call, accept each contribution as it
+    arrives (a malformed one is rejected alone), add exactly each group's, forward sums only."""
+
+    def __init__(self, *, cfg: RunConfig, session: bytes) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.parties = set(cfg.party_names)
+        self.stage: Any = None
+
+    def open(self, env: Envelope) -> Call:
+        """Validate a call from the active party; returns it. Raises `RunAborted` for a call
+        that names unknown parties or a group the aggregation does not allow."""
+        try:
+            call = parse_call(env)
+        except ValueError as exc:
+            raise RunAborted(f"malformed call from the active party: {exc}") from None
+        unknown = sorted(set(call.to) - self.parties)
+        if unknown or len(set(call.to)) != len(call.to):
+            raise RunAborted(f"call names unknown or repeated parties {unknown or list(call.to)}")
+        for spec in call.sums:
+            outside = sorted(set(spec.group) - set(call.to))
+            if outside:
+                raise RunAborted(f"sum {spec.key!r} names parties {outside} not in the call")
+            try:
+                check_group(self.cfg, spec.group, key=spec.key, what=f"aggregator, op {call.op!r}")
+            except GroupTooSmall as exc:
+                raise RunAborted(str(exc)) from None
+        if call.op == P.OP_SETUP:
+            ckks = call.inputs.get("ckks_context")
+            self.stage = backend(self.cfg.aggregation).aggregator(
+                SumSession(
+                    name="aggregator",
+                    session=self.session,
+                    min_group=self.cfg.min_group,
+                    frac_bits=self.cfg.frac_bits,
+                    bound=self.cfg.bound,
+                    ckks_public_context=None if ckks is None else ckks.tobytes(),
+                )
+            )
+        return call
+
+    def accept(self, call: Call, reply: Envelope) -> dict[str, Any]:
+        """Validate every array a party sent for this round before any of it is used; returns
+        sum key -> the accepted contribution. Raises `ContributionError` (or ValueError)."""
+        mine = [s for s in call.sums if reply.sender in s.group]
+        expected = {s.key for s in mine}
+        for name in reply.tensors:
+            base = name.split("/", 1)[0]
+            if base not in expected and not name.endswith(f"@{reply.sender}"):
+                raise ContributionError(f"unexpected tensor {name!r}")
+        return {
+            spec.key: self.stage.accept(
+                sum_arrays(reply.tensors, spec.key), key=spec.key, sender=reply.sender
+            )
+            for spec in mine
+        }
+
+    def result(
+        self,
+        call: Call,
+        replies: Mapping[str, Envelope],
+        accepted: Mapping[str, Mapping[str, Any]],
+    ) -> Envelope:
+        """The result envelope: each group's sum (and clear tensors named ``name@party``)."""
+        tensors: dict[str, np.ndarray] = {}
+        shapes: dict[str, Any] = {}
+        for spec in call.sums:
+            party_shapes = {
+                tuple(_shape_of(replies[p], spec.key)) for p in spec.group if p in replies
+            }
+            if len(party_shapes) != 1:
+                raise RunAborted(f"sum {spec.key!r}: parties sent different shapes {party_shapes}")
+            try:
+                tensors.update(
+                    self.stage.combine_accepted(accepted[spec.key], group=spec.group, key=spec.key)
+                )
+            except (ContributionError, ValueError) as exc:
+                raise RunAborted(f"round {call.round}, sum {spec.key!r}: {exc}") from None
+            shapes[spec.key] = list(party_shapes.pop())
+        for party, reply in replies.items():
+            for k, v in reply.tensors.items():
+                if "@" in k:
+                    if k.rsplit("@", 1)[1] != party:
+                        raise RunAborted(f"{party} sent {k!r}, which claims another sender")
+                    tensors[k] = v
+        return Envelope(
+            kind=P.RESULT,
+            sender="aggregator",
+            session=call.session,
+            round=call.round,
+            tensors=tensors,
+            meta={"shapes": shapes},
+        )
+
+    @staticmethod
+    def lost(call: Call, lost: Sequence[str], *, delivered: bool) -> Envelope:
+        """The result telling the active party that the round failed because `lost` are gone;
+        `delivered`: the call had reached every recipient (the others have run it)."""
+        return Envelope(
+            kind=P.RESULT,
+            sender="aggregator",
+            session=call.session,
+            round=call.round,
+            meta={"lost": list(lost), "shapes": {}, "delivered": delivered},
+        )
+
+
+def _shape_of(reply: Envelope, key: str) -> list[int]:
+    shapes = reply.meta.get("shapes", {})
+    shape = shapes.get(key, ()) if isinstance(shapes, dict) else ()
+    if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise RunAborted(f"{reply.sender} sent a malformed shape for sum {key!r}: {shape!r}")
+    return list(shape)
+
+
+# ------------------------------------------------------------------------------------ active
+
+
+class ActiveRound:
+    """The active party's stage: an `ActiveContext` whose calls go through `exchange` (one call
+    envelope in, its result envelope out) — ZeroMQ for the roles, memory for the direct path."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        exchange: Exchange,
+        session: bytes,
+        method: Any,
+        run_dir: Path,
+        logger: logging.Logger,
+        start_epoch: int = 0,
+        out: Any = None,
+        mask_keypair: Any = None,
+        mask_publics: Mapping[str, bytes] | None = None,
+    ) -> None:
+        self.config = cfg
+        self.exchange = exchange
+        self.session = session
+        self.session_hex = session.hex()
+        self.method = method
+        self.run_dir = Path(run_dir)
+        self.logger = logger
+        self.start_epoch = start_epoch
+        self.out = out
+        self.mask_keypair = mask_keypair
+        self.mask_publics = dict(mask_publics or {})
+        self.round = 0
+        self._parties = tuple(cfg.party_names)
+        self.privacy: Any = None
+        self.key_holder: Any = None
+        self.ckks_context: bytes | None = None
+        if cfg.aggregation == "ckks":
+            from crypto.ckks import CkksKeyHolder, CkksParams
+
+            self.key_holder = CkksKeyHolder(
+                params=CkksParams(
+                    poly_modulus_degree=cfg.ckks.poly_modulus_degree,
+                    coeff_mod_bit_sizes=cfg.ckks.coeff_mod_bit_sizes,
+                    scale_bits=cfg.ckks.scale_bits,
+                )
+            )
+            self.ckks_context = self.key_holder.public_context_bytes()
+        sum_session = SumSession(
+            name=cfg.active_name,
+            session=session,
+            min_group=cfg.min_group,
+            frac_bits=cfg.frac_bits,
+            bound=cfg.bound,
+        )
+        stage_cls = backend(cfg.aggregation).active
+        self.stage = (
+            stage_cls(sum_session, key_holder=self.key_holder)
+            if cfg.aggregation == "ckks"
+            else stage_cls(sum_session)
+        )
+        self.lost: list[str] = []
+        self.epoch_seconds: list[float] = []
+        self.history: list[dict[str, float]] = []
+        self._epoch_started = time.perf_counter()
+        self._presence: np.ndarray | None = None
+
+    # --- ActiveContext
+
+    @property
+    def parties(self) -> tuple[str, ...]:
+        return self._parties
+
+    def log(self, message: str) -> None:
+        self.logger.info("%s", message)
+
+    def sum_allowed(self, group: Sequence[str]) -> bool:
+        return group_allowed(self.config, group)
+
+    def call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
+    ) -> dict[str, np.ndarray]:
+        for spec in sums:  # the one check of the active party, before anything is sent
+            check_group(self.config, spec.group, key=spec.key, what=f"method op {op!r}")
+        if to is None:
+            to = sorted({p for s in sums for p in s.group}) or list(self._parties)
+        self.round += 1
+        call = Call(
+            op=op,
+            round=self.round,
+            session=self.session_hex,
+            ids=np.asarray(ids, dtype=np.int64),
+            args=dict(args or {}),
+            inputs=dict(inputs or {}),
+            sums=tuple(sums),
+            to=tuple(to),
+            collect=tuple(collect),
+        )
+        result = self.exchange(call.envelope(sender=self.config.active_name))
+        if result.meta.get("lost"):
+            self._lose(result, op)
+        shapes = result.meta.get("shapes", {})
+        out = {}
+        for spec in sums:
+            out[spec.key] = self.stage.reveal(
+                sum_arrays(result.tensors, spec.key),
+                group=spec.group,
+                key=spec.key,
+                shape=tuple(shapes[spec.key]),
+            )
+        for name in collect:
+            for party in to:
+                out[f"{name}@{party}"] = result.tensors[f"{name}@{party}"]
+        return out
+
+    def _lose(self, result: Envelope, op: str) -> None:
+        named = [str(p) for p in result.meta["lost"]]
+        lost = [p for p in named if p in self._parties]
+        self._parties = tuple(p for p in self._parties if p not in lost)
+        self.lost.extend(lost)
+        self.logger.warning(
+            "party %s was lost during round %d (%s); continuing with %s",
+            lost,
+            self.round,
+            op,
+            list(self._parties),
+        )
+        if self.out is not None:
+            print(
+                f"party {', '.join(lost)} lost; continuing with {', '.join(self._parties)}",
+                file=self.out,
+                flush=True,
+            )
+        raise PartyDropped(
+            lost[0] if lost else named[0], delivered=bool(result.meta.get("delivered", False))
+        )
+
+    def presence(self, ids: np.ndarray) -> np.ndarray:
+        return self._presence[self.method.table.positions(ids)]
+
+    def set_presence(self, held: Mapping[str, np.ndarray]) -> None:
+        n = len(self.method.table.ids)
+        for party, flags in held.items():
+            if flags.dtype != np.bool_ or flags.shape != (n,):
+                raise RunAborted(
+                    f"{party} answered set-up with a malformed row-presence vector "
+                    f"({flags.dtype}, shape {flags.shape}; expected bool of shape ({n},))",
+                    lost=party,
+                )
+        self._presence = np.stack(
+            [np.asarray(held[p], dtype=bool) for p in self.config.party_names], axis=1
+        )
+
+    def release_gradients(
+        self, grads: Mapping[str, np.ndarray], *, epoch: int, ids: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """Label DP on per-sample gradient rows about to leave: each row clipped jointly over
+        every entry of ``grads`` and noised, after the budget check and the ledger event."""
+        arrays = {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+        if self.privacy is None or not arrays:
+            return arrays
+        return self.privacy.release_gradients(arrays, ids=ids, epoch=epoch)
+
+    def return_gradients(
+        self,
+        grads: Mapping[tuple[str, ...], Mapping[str, np.ndarray]],
+        *,
+        ids: np.ndarray,
+        epoch: int,
+        op: str = "backward",
+    ) -> None:
+        """Send gradients of a batch-mean loss to the parties: ``grads[group][tensor]`` goes to
+        every party of `group` (one call per group). Owns the batch-size convention: rows are
+        scaled to per-sample gradients (x B), pass label DP together (one joint clip per row),
+        and are scaled back (/ B). A party lost meanwhile is skipped; an update that reached the
+        others is never sent twice."""
+        n = len(ids)
+        names = {group: "+".join(group) for group in grads}
+        flat = {
+            f"{names[group]}/{t}": np.asarray(g) * n
+            for group, tensors in grads.items()
+            for t, g in tensors.items()
+        }
+        released = self.release_gradients(flat, epoch=epoch, ids=ids)
+        for group, tensors in grads.items():
+            inputs = {
+                t: np.asarray(released[f"{names[group]}/{t}"], dtype=np.float32) / n
+                for t in tensors
+            }
+            alive = [p for p in group if p in self._parties]
+            while alive:
+                try:
+                    self.call(op, ids=ids, inputs=inputs, to=alive)
+                    break
+                except PartyDropped as exc:
+                    if exc.delivered:  # the survivors have applied it: never twice
+                        break
+                    alive = [p for p in alive if p in self._parties]
+
+    def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
+        """Commit an epoch: every party saves its checkpoint, then the active party."""
+        self.epoch_seconds.append(time.perf_counter() - self._epoch_started)
+        self.history.append({"epoch": epoch, **{k: float(v) for k, v in stats.items()}})
+        self.call(
+            P.OP_CHECKPOINT,
+            ids=np.empty(0, dtype=np.int64),
+            args={"epoch": epoch},
+            to=self._parties,
+        )
+        save_checkpoint(
+            self.run_dir,
+            self.config.active_name,
+            epoch,
+            {
+                "method": self.method.state_dict(),
+                "epoch_seconds": list(self.epoch_seconds),
+                "history": [dict(h) for h in self.history],
+                "round": self.round,
+            },
+        )
+        parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
+        total = self.method.progress_total
+        step = f"{self.method.progress_unit} {epoch + 1}" + (f"/{total}" if total else "")
+        line = f"{step}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        if self.privacy is not None and self.privacy.plan.mechanisms:
+            spent = ", ".join(f"{m} {e:.3g}" for m, e in self.privacy.spent().items())
+            line += f"  epsilon spent: {spent} (delta {self.privacy.delta:g})"
+        if self.out is not None:
+            print(line, file=self.out, flush=True)
+        self.logger.info("%s", line)
+        self._epoch_started = time.perf_counter()
+
+    # --- a run
+
+    def start(self, *, train_ids: np.ndarray, ledger: Any) -> None:
+        """The active party's privacy plan (N = the training rows the parties are told of)."""
+        from securevfl.privacy.runtime import RolePrivacy, plan_role
+
+        cfg = self.config
+        self.privacy = RolePrivacy(
+            plan=plan_role(cfg, role=cfg.active_name, n_train=len(train_ids)), ledger=ledger
+        )
+        self.privacy.set_rows(self.method.table.ids)
+        self.method.privacy = self.privacy
+
+    def setup(self, *, train_ids: np.ndarray) -> None:
+        """The set-up round: every party learns the training rows (and, with ckks, receives the
+        authenticated public context); each answers which of the active party's rows it holds."""
+        cfg = self.config
+        inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
+        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1}
+        if self.ckks_context is not None:
+            inputs["ckks_context"] = np.frombuffer(self.ckks_context, dtype=np.uint8)
+            args["ckks_tags"] = {
+                p: ckks_context_tag(
+                    context=self.ckks_context,
+                    my_keypair=self.mask_keypair,
+                    me=cfg.active_name,
+                    peer=p,
+                    peer_public=self.mask_publics[p],
+                    session=self.session,
+                ).hex()
+                for p in self.parties
+            }
+        held = self.call(
+            P.OP_SETUP,
+            ids=np.empty(0, dtype=np.int64),
+            args=args,
+            inputs=inputs,
+            to=self.parties,
+            collect=["present"],
+        )
+        self.set_presence({p: held[f"present@{p}"] for p in self.parties})
+
+    def held_rows(self, ids: np.ndarray) -> np.ndarray:
+        """`ids` without the rows no passive party holds."""
+        return ids[self.presence(ids).any(axis=1)]
+
+
+def train_and_evaluate(
+    ctx: ActiveRound, *, train_ids: np.ndarray, test_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Set-up, training and evaluation of the method over `ctx`; returns the training and test
+    rows used (rows no passive party holds are dropped) and the test metrics."""
+    ctx.setup(train_ids=train_ids)
+    anyone = ctx.presence(ctx.method.table.ids).any(axis=1)
+    if not anyone.all():
+        ctx.logger.info(
+            "%d rows are held by no passive party and are dropped", int((~anyone).sum())
+        )
+        train_ids, test_ids = ctx.held_rows(train_ids), ctx.held_rows(test_ids)
+    ctx._epoch_started = time.perf_counter()
+    ctx.method.fit(ctx, train_ids=train_ids)
+    test = ctx.method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}
+    return train_ids, test_ids, test
+
+
+def tolerates_dropout(cfg: RunConfig) -> bool:
+    """Whether the run's method goes on without a party that died (its declaration says)."""
+    return method_spec(cfg.method).tolerates_dropout
