@@ -1,4 +1,5 @@
-"""Command line: `securevfl run | aggregator | active | party | keys | split | demo | audit`."""
+"""Command line: `securevfl run | aggregator | active | party | keys | split | demo | methods |
+audit`."""
 
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
 
+    methods = sub.add_parser(
+        "methods",
+        help="list the methods, or one method's options and what its operations release",
+    )
+    methods.add_argument("name", nargs="?", help="a method to describe")
+
     audit = sub.add_parser(
         "audit",
         help="the privacy spent in a run: epsilon per role and mechanism, from its ledger",
@@ -169,6 +176,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_demo(out=args.out, aggregation=args.aggregation)
     if args.command == "audit":
         return _audit(args)
+    if args.command == "methods":
+        return _methods(args)
     raise AssertionError(args.command)
 
 
@@ -202,6 +211,34 @@ def _check_privacy(cfg: RunConfig) -> None:
         stratify=cfg.task != "regression",
     )
     check_federation(cfg, n_train=len(train))
+
+
+def _methods(args: argparse.Namespace) -> int:
+    """What the registry holds: every method, or one method's declaration."""
+    from securevfl.methods import method_names, method_spec
+    from securevfl.methods.options import describe
+
+    if args.name is None:
+        for name in method_names():
+            spec = method_spec(name)
+            print(f"{name:<16} {spec.description}")
+        return P.EXIT_OK
+    try:
+        spec = method_spec(args.name)
+    except KeyError as exc:
+        raise ConfigError("methods NAME", str(exc.args[0])) from None
+    print(f"{spec.name}: {spec.description}")
+    print(f"tasks: {', '.join(spec.tasks)}; runs on sums: {'yes' if spec.runs_on_sums else 'no'}")
+    print("[method] options:")
+    for o in describe(spec.options) or [{"name": "(none)", "type": "", "default": "", "doc": ""}]:
+        print(f"  {o['name']} ({o['type']}, default {o['default']!r}): {o['doc']}")
+    print("party operations (what each may release):")
+    for op in spec.operations:
+        print(f"  {op.name}: {op.doc}" + ("  [updates the model]" if op.updates else ""))
+        for r in op.releases:
+            where = "a secure sum" if r.to == "sum" else "the active party, in the clear"
+            print(f"    {r.tensor} -> {where}: {r.why}")
+    return P.EXIT_OK
 
 
 def _audit(args: argparse.Namespace) -> int:

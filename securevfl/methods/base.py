@@ -278,7 +278,8 @@ class MethodSpec:
     for settings the method cannot run with. `dp_sgd` says where DP-SGD may be configured
     ("parties": the party models, "active": the active party's trainable part);
     `secure_defaults` gives ``[secure]`` defaults (e.g. more fractional bits);
-    `tolerates_dropout`: the method goes on without a party that died."""
+    `tolerates_dropout`: the method goes on without a party that died; `example` builds a small
+    federation for the conformance suite every method is held to."""
 
     name: str
     active: str | type
@@ -292,6 +293,9 @@ class MethodSpec:
     secure_defaults: tuple[tuple[str, float], ...] = ()
     dp_sgd: tuple[str, ...] = ()
     tolerates_dropout: bool = False
+    # a small federation to run the method on (`securevfl.methods.examples`): writes its data
+    # into a folder and returns the raw config; the shared conformance suite runs it
+    example: Callable[[Path], dict[str, Any]] | None = None
 
     def active_class(self) -> type[ActiveMethod]:
         return _resolve(self.active, f"method {self.name!r}: active stage")

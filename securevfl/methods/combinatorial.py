@@ -6,12 +6,14 @@ present blocks, a test row uses the model of its exact present set. Subsets with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import combinations
 from typing import Any
 
 import numpy as np
 
 from securevfl.lazy import nn
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
 from securevfl.methods.blocks.batches import block_names, subset_code
@@ -112,4 +114,5 @@ SPEC = MethodSpec(
     dp_sgd=("parties",),
     description="an independent model for every subset of parties",
     checks=(check_block_options,),
+    example=partial(examples.classification, method="combinatorial", p_missing=0.2),
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import combinations
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from securevfl.errors import ConfigError
 from securevfl.lazy import torch
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
 from securevfl.methods.blocks.batches import chunks
@@ -293,4 +295,5 @@ SPEC = MethodSpec(
     tolerates_dropout=True,
     description="LASER-VFL: a head per party over the mean of any subset of present parties",
     checks=(check_laser,),
+    example=partial(examples.classification, method="laser", active_block=True, p_missing=0.2),
 )

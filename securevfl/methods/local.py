@@ -7,11 +7,13 @@ them unless `[run] min_group = 1` (an explicit, ledgered opt-in).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from securevfl.errors import ConfigError
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
 from securevfl.methods.blocks.batches import chunks, subset_code
@@ -115,6 +117,7 @@ SPECS = [
         dp_sgd=("parties",),
         description=description,
         checks=(check_single_party_sums,),
+        example=partial(examples.classification, method=name, p_missing=0.2),
     )
     for name, active, description in (
         ("local", LocalActive, "one model per party on its own block (needs single-party sums)"),

@@ -17,11 +17,13 @@ standard errors, t-based p-values and intervals. What each reveals is in `docs/v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from securevfl.errors import ConfigError
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.options import option
 from securevfl.methods.vfem import (
@@ -126,6 +128,14 @@ def check_single(cfg: Any, opts: SingleOptions) -> None:
         )
 
 
+def ols_example(directory: Any, *, method: str) -> dict[str, Any]:
+    raw = examples.regression(directory, method=method, p_missing=0.2)
+    if method == "single-ols":
+        raw["run"]["min_group"] = 1
+        raw["method"] = {"party": "r0"}
+    return raw
+
+
 SPECS = [
     MethodSpec(
         name=name,
@@ -137,6 +147,7 @@ SPECS = [
         description=description,
         checks=(check,),
         secure_defaults=SECURE_DEFAULTS,
+        example=partial(ols_example, method=name),
     )
     for name, active, options, check, description in (
         (

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from securevfl.errors import ConfigError
 from securevfl.lazy import nn, torch
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.batches import block_names
@@ -138,4 +140,5 @@ SPEC = MethodSpec(
     dp_sgd=("parties",),
     description="concatenation (zeros for missing blocks), anchor party required",
     checks=(check_plug,),
+    example=partial(examples.classification, method="plugvfl", p_missing=0.2),
 )

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from securevfl.lazy import torch
+from securevfl.methods import examples
 from securevfl.methods.base import (
     ActiveContext,
     ActiveMethod,
@@ -237,4 +239,5 @@ SPEC = MethodSpec(
     operations=OPERATIONS,
     dp_sgd=("parties", "active"),
     description="split-NN baseline: summed party representations, head at the active party",
+    example=partial(examples.classification, method="splitnn"),
 )

@@ -3,10 +3,12 @@ trained on complete rows only; a test row missing a block gets a random class.""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.evaluation import Prediction
@@ -60,4 +62,5 @@ SPEC = MethodSpec(
     dp_sgd=("parties",),
     description="split-NN on complete rows only; random class if a block is missing",
     checks=(check_block_options,),
+    example=partial(examples.classification, method="standard-vfl", p_missing=0.2),
 )

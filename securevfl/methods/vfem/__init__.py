@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from securevfl.errors import ConfigError
+from securevfl.methods import examples
 from securevfl.methods.base import MethodSpec, Operation, Release
 from securevfl.methods.options import option
 
@@ -88,7 +90,22 @@ class VfemOptions(RegressionOptions):
 
 
 def check_regression(cfg: Any, opts: RegressionOptions) -> None:
-    """A valid step size, and a fixed-point format precise enough for the estimates (mask)."""
+    """A valid step size, a fixed-point format precise enough for the estimates (mask), and no
+    DP mechanism the method cannot apply (refused rather than ignored)."""
+    if cfg.label_dp is not None:
+        raise ConfigError(
+            "[privacy] label_dp",
+            f"{cfg.method!r} sends every party the residuals e_i (label information) to fit by "
+            "EM, and has no label-DP variant; remove the key (docs/vfem.md says what each "
+            "party learns)",
+        )
+    for party in cfg.parties:
+        if party.embedding_dp is not None:
+            raise ConfigError(
+                f"[parties.{party.name}] embedding_dp",
+                f"{cfg.method!r} sums statistics that are not per row (log-likelihoods, Gram "
+                "matrices), which embedding DP cannot clip; remove the key",
+            )
     if opts.eta != "auto":
         ok = isinstance(opts.eta, int | float) and not isinstance(opts.eta, bool)
         if not ok or not (0 < opts.eta <= 100) or not math.isfinite(opts.eta):
@@ -191,4 +208,5 @@ SPEC = MethodSpec(
     description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
     checks=(check_regression,),
     secure_defaults=SECURE_DEFAULTS,
+    example=partial(examples.regression, method="vfem", p_missing=0.2),
 )

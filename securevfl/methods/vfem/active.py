@@ -5,158 +5,20 @@ standard errors) and reporting are `VfemInference`."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from securevfl.methods.base import ActiveContext, ActiveMethod, SumSpec
+from securevfl.methods.base import ActiveContext, ActiveMethod
 from securevfl.methods.vfem.block import BlockState, VfemDivergence, VfemInputError
+from securevfl.methods.vfem.federation import Design, Federation, FitOptions, OscillationTracker
 from securevfl.methods.vfem.inference import VfemInference
 from securevfl.metrics import task_metrics
 from securevfl.stats.gaussian_blocks import combine_rows, y_loglik
 
 # sigma^2 is ~1 on the internal (standardised) scale; far beyond means the iteration diverged
 DIVERGED_LOSS = 1e4
-
-
-@dataclass(frozen=True)
-class FitOptions:
-    """The `[method]` options as a fit uses them (defaults that depend on the run resolved)."""
-
-    intercept: bool
-    eta: float | None  # None: from the spectrum
-    max_iter: int
-    tol_loss: float
-    tol_beta: float
-    se: bool
-    sem_step: float
-    level: float
-    checkpoint_every: int
-    init: str = "impute"
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> FitOptions:
-        o = cfg.options
-        return cls(
-            intercept=o.intercept,
-            eta=None if o.eta == "auto" else float(o.eta),
-            max_iter=o.max_iter,
-            tol_loss=o.tol_loss,
-            tol_beta=o.tol_beta,
-            se=o.se == "sem",
-            # CKKS sums carry ~1e-7 relative noise: a longer difference step keeps SEM accurate
-            sem_step=o.sem_step
-            if o.sem_step is not None
-            else (1e-3 if cfg.aggregation == "ckks" else 1e-5),
-            level=o.level,
-            checkpoint_every=o.checkpoint_every,
-            init=getattr(o, "init", "impute"),
-        )
-
-
-class _Federation:
-    """The active party's view of the parties in one fit: secure sums, per-party calls,
-    broadcasts. With no passive party (a single-party fit of the active party's own block),
-    every call is skipped."""
-
-    def __init__(self, ctx: ActiveContext, parties: Sequence[str]) -> None:
-        self.ctx = ctx
-        self.parties = tuple(parties)
-
-    def sums(
-        self,
-        op: str,
-        *,
-        ids: np.ndarray,
-        names: Sequence[str],
-        args: Mapping[str, Any] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Secure sums over every party of each tensor in `names` (empty dict if no party)."""
-        if not self.parties:
-            return {}
-        specs = [SumSpec(key=n, tensor=n, group=self.parties) for n in names]
-        got = self.ctx.call(op, ids=ids, args=dict(args or {}), sums=specs)
-        return {n: np.asarray(got[n], dtype=np.float64) for n in names}
-
-    def each(
-        self,
-        op: str,
-        *,
-        ids: np.ndarray,
-        args: Mapping[str, Any],
-        inputs: Callable[[int, str], dict[str, np.ndarray]],
-    ) -> None:
-        """One call per party (inputs meant for that party only)."""
-        for k, party in enumerate(self.parties):
-            self.ctx.call(op, ids=ids, args=dict(args), inputs=inputs(k, party), to=[party])
-
-    def broadcast(
-        self,
-        op: str,
-        *,
-        ids: np.ndarray,
-        args: Mapping[str, Any] | None = None,
-        inputs: Mapping[str, np.ndarray] | None = None,
-        collect: Sequence[str] = (),
-    ) -> dict[str, np.ndarray]:
-        if not self.parties:
-            return {}
-        return self.ctx.call(
-            op,
-            ids=ids,
-            args=dict(args or {}),
-            inputs=dict(inputs or {}),
-            to=list(self.parties),
-            collect=list(collect),
-        )
-
-
-class _OscillationTracker:
-    """Watches the summed per-row predictor m^(t) (which the active party sees anyway) for the
-    iteration oscillating: successive changes dm^(t) pointing in opposite directions means the
-    dominant eigenvalue of the map's Jacobian is rho < 0, i.e. 1 - eta lambda_max = rho. After
-    three such steps in a row, `update` returns lambda_max = (1 - rho) / eta."""
-
-    def __init__(self) -> None:
-        self.prev_m: np.ndarray | None = None
-        self.prev_dm: np.ndarray | None = None
-        self.count = 0
-
-    def update(self, m: np.ndarray, eta: float) -> float | None:
-        found = None
-        if self.prev_m is not None:
-            dm = m - self.prev_m
-            if self.prev_dm is not None:
-                denom = float(self.prev_dm @ self.prev_dm)
-                # ignore changes at the level of fixed-point noise
-                if denom > 1e-18 * len(m):
-                    rho = float(dm @ self.prev_dm) / denom
-                    self.count = self.count + 1 if rho < -0.3 else 0
-                    if self.count >= 3:
-                        found = (1.0 - rho) / eta
-                        self.count = 0
-                        dm = None
-            self.prev_dm = dm
-        self.prev_m = m
-        return found
-
-
-@dataclass
-class _Design:
-    """One fit: its rows, which parties take part, and the missing rows of each party."""
-
-    kind: str  # "blocks" | "impute" | "complete"
-    ids: np.ndarray
-    positions: np.ndarray  # into the prepared (training) rows
-    parties: tuple[str, ...]
-    missing: dict[str, np.ndarray]  # party -> bool per design row (blocks designs only)
-    use_own: bool
-
-    @property
-    def model_x(self) -> bool:
-        return self.kind == "blocks"
 
 
 class BlockRegressionActive(VfemInference, ActiveMethod):
@@ -171,8 +33,8 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
         super().__init__(**kwargs)
         self.opts = FitOptions.from_config(self.config)
         self.own: BlockState | None = None
-        self.fed: _Federation | None = None
-        self.design: _Design | None = None
+        self.fed: Federation | None = None
+        self.design: Design | None = None
         self.progress: dict[str, Any] = {"phase": "start", "epoch": 0}
         self.alpha0 = 0.0
         self.sigma2 = 1.0
@@ -237,7 +99,7 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
         self.yz_all = (y - self.y_center) / self.y_scale
         # every block checks its data first, so that a party's problem is the one reported
         all_parties, use_own = self.participants(ctx)
-        prep = _Federation(ctx, all_parties)
+        prep = Federation(ctx, all_parties)
         prep.broadcast(
             "prepare",
             ids=train_ids,
@@ -281,8 +143,8 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
         positions = np.searchsorted(self.train_ids, ids)
         presence = ctx.presence(ids)
         missing = {p: ~presence[:, self.config.party_names.index(p)] for p in parties}
-        self.design = _Design(kind, ids, positions, parties, missing, use_own)
-        self.fed = _Federation(ctx, parties)
+        self.design = Design(kind, ids, positions, parties, missing, use_own)
+        self.fed = Federation(ctx, parties)
         got = self.fed.broadcast(
             "design", ids=ids, args={"kind": kind, "reset": reset}, collect=["spectrum"]
         )
@@ -370,7 +232,7 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
         retunes = 0
         converged = False
         label = f"{self.method_label} ({d.kind} design)"
-        tracker = _OscillationTracker()
+        tracker = OscillationTracker()
         while True:
             terms = self._estep()
             e, w, loss = combine_rows(yz, terms["m"], terms["q"], self.sigma2)
@@ -395,7 +257,7 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
                     self._backtrack(saved)
                     backtracks += 1
                     prev_loss = alpha_prev = None
-                    tracker = _OscillationTracker()
+                    tracker = OscillationTracker()
                     continue
                 raise VfemDivergence(
                     f"{label}: the loss became {loss:.4g} at iteration {t} with eta = "
@@ -410,7 +272,7 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
                 self._backtrack(saved)
                 backtracks += 1
                 prev_loss = alpha_prev = None
-                tracker = _OscillationTracker()
+                tracker = OscillationTracker()
                 continue
             change = float(terms["dbeta"][0])
             if alpha_prev is not None:
