@@ -347,7 +347,7 @@ def run_role(args: argparse.Namespace) -> int:
     except P.RunAborted as exc:
         logger.error("%s", exc)
         print(f"securevfl {role}: {exc}", file=sys.stderr)
-        return P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
+        return exc.exit_code
     except ConfigError:
         raise
     except Exception as exc:  # report, with the traceback in the role's log

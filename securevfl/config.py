@@ -26,12 +26,27 @@ RESERVED_ROLE_NAMES = ("aggregator",)
 
 
 @dataclass(frozen=True)
+class ReleasePolicy:
+    """What a passive party lets leave it, whatever the active party or the aggregator asks
+    (`[policy]` for every party, `[parties.NAME.policy]` for one). The party enforces it on every
+    call; the defaults release nothing in the clear and accept only secure aggregation."""
+
+    methods: tuple[str, ...] | None = None  # None: any method
+    aggregations: tuple[str, ...] = ("mask", "ckks")
+    min_group: int = 2
+    clear_releases: tuple[str, ...] = ()  # "op.tensor" patterns a method may release in clear
+    share_presence: bool = True  # answer set-up with which rows it holds (what a PSI gives)
+    on_refusal: str = "stop"  # "stop": stop cleanly; "skip": refuse the call, keep serving
+
+
+@dataclass(frozen=True)
 class PartyConfig:
     name: str
     columns: tuple[str, ...]
     embedding_dp: DPConfig | None = None
     dp_sgd: DPConfig | None = None
     max_epsilon: float | None = None
+    policy: ReleasePolicy = field(default_factory=ReleasePolicy)
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         "missing",
         "privacy",
         "method",
+        "policy",
     }
     for section in raw:
         if section not in known_sections:
@@ -237,7 +253,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         standardize=d.boolean("standardize", D.standardize),
         active_name=_role_name(a.string("name", D.active_name), "[active] name"),
         active_columns=a.string_list("columns", []),
-        parties=_parties(raw.get("parties")),
+        parties=_parties(raw.get("parties"), _policy_table(raw.get("policy"), "[policy]")),
         epochs=t.integer("epochs", D.epochs, minimum=1),
         batch_size=t.integer("batch_size", D.batch_size, minimum=1),
         lr=t.number("lr", D.lr, minimum=0.0, exclusive_minimum=True),
@@ -343,7 +359,57 @@ def validate(cfg: RunConfig) -> None:
         )
     from securevfl.methods import method_spec
 
-    method_spec(cfg.method).validate_config(cfg)
+    spec = method_spec(cfg.method)
+    spec.validate_config(cfg)
+    for party in cfg.parties:
+        refusal = policy_refusal(cfg, party.policy, spec)
+        if refusal is not None:
+            raise ConfigError(f"[parties.{party.name}.policy] {refusal[0]}", refusal[1])
+
+
+def policy_refusal(cfg: RunConfig, policy: ReleasePolicy, spec: Any) -> tuple[str, str] | None:
+    """(policy key, reason) if a party with `policy` would refuse this run; None if it
+    accepts it. The party checks the same at run time, against its own config."""
+    import fnmatch
+
+    if policy.methods is not None and cfg.method not in policy.methods:
+        return "methods", (
+            f"this party accepts methods {list(policy.methods)}, not {cfg.method!r}; add it to "
+            "the party's policy if the party agrees to what it releases (`securevfl methods "
+            f"{cfg.method}`)"
+        )
+    if cfg.aggregation not in policy.aggregations:
+        why = (
+            "plain sends the party's representations in the clear to the aggregator and the "
+            "active party"
+            if cfg.aggregation == "plain"
+            else f"{cfg.aggregation} is not in its list"
+        )
+        return "aggregations", (
+            f"this party does not accept aggregation {cfg.aggregation!r} ({why}); add it to "
+            "the party's policy aggregations to allow it"
+        )
+    if cfg.aggregation != "plain" and cfg.min_group < policy.min_group:
+        return "min_group", (
+            f"this party asks for groups of at least {policy.min_group} passive parties but the "
+            f"run uses [run] min_group = {cfg.min_group}: it would refuse the smaller sums the "
+            "run asks for; raise [run] min_group, or lower the party's policy min_group to "
+            "accept them"
+        )
+    clear = [
+        f"{op.name}.{r.tensor}" for op in spec.operations for r in op.releases if r.to == "clear"
+    ]
+    refused = [
+        c for c in clear if not any(fnmatch.fnmatchcase(c, pat) for pat in policy.clear_releases)
+    ]
+    if refused:
+        return "clear_releases", (
+            f"method {cfg.method!r} releases {refused} in the clear to the active party, which "
+            "this party's policy does not allow (by default nothing leaves in the clear); add "
+            "them to the policy's clear_releases if the party accepts (see `securevfl methods "
+            f"{cfg.method}` for what each is)"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,7 +544,7 @@ def _role_name(name: str, key: str) -> str:
     return name
 
 
-def _parties(raw: Any) -> tuple[PartyConfig, ...]:
+def _parties(raw: Any, policy_defaults: Mapping[str, Any]) -> tuple[PartyConfig, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, Mapping):
@@ -489,12 +555,13 @@ def _parties(raw: Any) -> tuple[PartyConfig, ...]:
         _role_name(name, key)
         if not isinstance(table, Mapping):
             raise ConfigError(key, "must be a table with a `columns` list")
-        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon"}
+        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon", "policy"}
         for k in table:
             if k not in known:
                 raise ConfigError(f"{key} {k}", f"unknown key; known keys are {sorted(known)}")
         if "columns" not in table:
             raise ConfigError(f"{key} columns", "is required")
+        own = _policy_table(table.get("policy"), f"[parties.{name}.policy]")
         out.append(
             PartyConfig(
                 name=name,
@@ -502,9 +569,70 @@ def _parties(raw: Any) -> tuple[PartyConfig, ...]:
                 embedding_dp=_dp(table.get("embedding_dp"), f"{key} embedding_dp"),
                 dp_sgd=_dp(table.get("dp_sgd"), f"{key} dp_sgd"),
                 max_epsilon=_positive_or_none(table.get("max_epsilon"), f"{key} max_epsilon"),
+                policy=_policy({**policy_defaults, **own}, name),
             )
         )
     return tuple(out)
+
+
+_POLICY_KEYS = {
+    "methods",
+    "aggregations",
+    "min_group",
+    "clear_releases",
+    "share_presence",
+    "on_refusal",
+}
+
+
+def _policy_table(raw: Any, key: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(key, f"must be a table of policy keys, got {type(raw).__name__}")
+    for k in raw:
+        if k not in _POLICY_KEYS:
+            raise ConfigError(f"{key} {k}", f"unknown key; known keys are {sorted(_POLICY_KEYS)}")
+    return {k: (v, key) for k, v in raw.items()}
+
+
+def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
+    """A party's policy from `[policy]` overridden by `[parties.NAME.policy]`; each value
+    carries the table it came from, so an error names it."""
+
+    def get(k: str, default: Any) -> tuple[Any, str]:
+        return values.get(k, (default, f"[parties.{party}.policy]"))
+
+    d = ReleasePolicy()
+    methods, mkey = get("methods", None)
+    if methods is not None:
+        methods = _string_list(methods, f"{mkey} methods")
+    aggs, akey = get("aggregations", list(d.aggregations))
+    aggs = _string_list(aggs, f"{akey} aggregations")
+    for a in aggs:
+        if a not in AGGREGATIONS:
+            raise ConfigError(f"{akey} aggregations", f"unknown aggregation {a!r}")
+    min_group, gkey = get("min_group", d.min_group)
+    clear, ckey = get("clear_releases", list(d.clear_releases))
+    if not isinstance(clear, list) or not all(isinstance(c, str) and "." in c for c in clear):
+        raise ConfigError(
+            f"{ckey} clear_releases",
+            f'must be a list of "operation.tensor" names (patterns allowed), got {clear!r}',
+        )
+    share, skey = get("share_presence", d.share_presence)
+    if not isinstance(share, bool):
+        raise ConfigError(f"{skey} share_presence", f"must be true or false, got {share!r}")
+    refusal, rkey = get("on_refusal", d.on_refusal)
+    if refusal not in ("stop", "skip"):
+        raise ConfigError(f"{rkey} on_refusal", f'must be "stop" or "skip", got {refusal!r}')
+    return ReleasePolicy(
+        methods=methods,
+        aggregations=aggs,
+        min_group=_integer(min_group, f"{gkey} min_group", minimum=1),
+        clear_releases=tuple(clear),
+        share_presence=share,
+        on_refusal=refusal,
+    )
 
 
 def _ckks(raw: Mapping[str, Any]) -> CkksConfig:

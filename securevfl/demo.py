@@ -42,6 +42,8 @@ def prepare_demo(out: Path, *, aggregation: str = "mask") -> Path:
     write_breast_cancer_csv(out / "breast_cancer.csv")
     config = out / "breast_cancer.toml"
     text = DEMO_CONFIG.read_text().replace('aggregation = "mask"', f'aggregation = "{aggregation}"')
+    if aggregation == "plain":  # the parties must accept it: plain shows them to everyone
+        text += '\n[policy]\naggregations = ["plain", "mask", "ckks"]\n'
     config.write_text(text)
     return config
 

@@ -66,7 +66,7 @@ def run_federation(
                 codes[role] = fn(cfg, logger=logger, context=context, **kwargs)
             except P.RunAborted as exc:
                 logger.error("%s", exc)
-                codes[role] = P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
+                codes[role] = exc.exit_code
             except Exception as exc:  # recorded; the others learn of it through the aggregator
                 logger.exception("failed: %s", exc)
                 codes[role] = exit_code_for(exc)  # the statuses `securevfl run` gives

@@ -213,7 +213,7 @@ def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> i
         return P.EXIT_OK
     failed = {r: c for r, c in codes.items() if c != 0}
     print(f"securevfl: run failed; exit statuses {failed}", file=sys.stderr)
-    for code in (P.EXIT_USAGE, P.EXIT_BUDGET, P.EXIT_PEER_LOST):
+    for code in (P.EXIT_USAGE, P.EXIT_REFUSED, P.EXIT_BUDGET, P.EXIT_PEER_LOST):
         if code in failed.values():
             return code
     return codes.get(active) or P.EXIT_ERROR

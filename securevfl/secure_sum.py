@@ -16,6 +16,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import combinations
 from typing import Any, ClassVar
 
 import numpy as np
@@ -66,6 +68,25 @@ def check_group(cfg: Any, group: Sequence[str], *, key: str, what: str) -> None:
             "min_group = 1 to accept unprotected sums explicitly (they are recorded as "
             "unprotected releases)"
         )
+
+
+@lru_cache(maxsize=4096)
+def isolating_set(family: tuple[frozenset[str], ...], min_group: int) -> tuple[str, ...] | None:
+    """A set of fewer than `min_group` parties whose summed contribution some linear combination
+    of the family's sums isolates, or None. Exact: with A the sums' indicator matrix, the row
+    space of A holds a nonzero vector supported on a set T iff rank(A) > rank(A without the
+    columns of T); any such T can be grown to min_group - 1 parties."""
+    parties = sorted(set().union(*family)) if family else []
+    size = min_group - 1
+    if size < 1 or not parties:
+        return None
+    a = np.array([[1.0 if p in g else 0.0 for p in parties] for g in family])
+    rank = np.linalg.matrix_rank(a)
+    for t in combinations(range(len(parties)), min(size, len(parties))):
+        rest = [j for j in range(len(parties)) if j not in t]
+        if not rest or np.linalg.matrix_rank(a[:, rest]) < rank:
+            return tuple(parties[j] for j in t)
+    return None
 
 
 class PartySumStage(ABC):

@@ -55,7 +55,12 @@ def classification(
 
 
 def regression(
-    directory: Path, *, method: str, n: int = 240, p_missing: float = 0.0
+    directory: Path,
+    *,
+    method: str,
+    n: int = 240,
+    p_missing: float = 0.0,
+    clear_releases: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """A linear regression task over three passive blocks of two columns."""
     rng = np.random.default_rng(19)
@@ -74,8 +79,11 @@ def regression(
         label="Y",
         labels=y,
     )
-    return {
+    raw: dict[str, Any] = {
         "run": {"method": method, "aggregation": "mask", "seed": 5},
         "data": {"path": "data.csv", "task": "regression", "test_fraction": 0.25},
         "parties": {f"r{b}": {"columns": names[2 * b : 2 * b + 2]} for b in range(3)},
     }
+    if clear_releases:  # what the parties must let leave them in the clear
+        raw["policy"] = {"clear_releases": list(clear_releases)}
+    return raw

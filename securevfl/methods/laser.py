@@ -180,11 +180,18 @@ class LaserActive(BlockActive):
 
     def family_tasks(self, row: int, present: tuple[str, ...]) -> list[Task]:
         """The loss terms of a row's family (lost parties removed) over blocks `present`."""
+        from securevfl.secure_sum import isolating_set
+
         members = []
         for member in self.families[self.family_of_row[row]]:
             alive = tuple(b for b in member if b in present)
             if len(alive) >= self.config.min_group and alive not in members:
                 members.append(alive)
+        family = tuple(frozenset(m) for m in members)
+        if members and isolating_set(family, self.config.min_group) is not None:
+            # a lost party broke the family's partition ({0,1,3} and {0,3} differ by 1):
+            # keep only the largest member, which differences to nothing
+            members = [max(members, key=len)]
         subsets = list(members)
         if self.own_name in present:
             subsets += [(*m, self.own_name) for m in members] + [(self.own_name,)]

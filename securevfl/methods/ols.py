@@ -29,6 +29,7 @@ from securevfl.methods.options import option
 from securevfl.methods.vfem import (
     OPERATIONS,
     SECURE_DEFAULTS,
+    VFEM_CLEAR,
     RegressionOptions,
     check_regression,
 )
@@ -129,9 +130,10 @@ def check_single(cfg: Any, opts: SingleOptions) -> None:
 
 
 def ols_example(directory: Any, *, method: str) -> dict[str, Any]:
-    raw = examples.regression(directory, method=method, p_missing=0.2)
+    raw = examples.regression(directory, method=method, p_missing=0.2, clear_releases=VFEM_CLEAR)
     if method == "single-ols":
         raw["run"]["min_group"] = 1
+        raw["policy"]["min_group"] = 1
         raw["method"] = {"party": "r0"}
     return raw
 

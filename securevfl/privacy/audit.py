@@ -95,6 +95,7 @@ class AuditReport:
     accountant: str
     rows: list[AuditRow]
     unprotected: list[UnprotectedRelease]
+    refusals: list[dict[str, Any]] = field(default_factory=list)
     role_totals: dict[str, tuple[float, float]] = field(default_factory=dict)
     leakage: dict[str, LeakageMeasurement] = field(default_factory=dict)
     # where the true labels that scored the attacks came from (only the active party has them)
@@ -116,6 +117,7 @@ class AuditReport:
                 role: {"epsilon": eps, "delta": d} for role, (eps, d) in self.role_totals.items()
             },
             "unprotected": [asdict(u) for u in self.unprotected],
+            "refusals": list(self.refusals),
             "leakage": {role: m.to_json() for role, m in self.leakage.items()},
             "leakage_labels": self.leakage_labels,
         }
@@ -169,9 +171,12 @@ def audit(
 
     grouped: dict[tuple[str, str], list[LedgerEvent]] = {}
     unprotected: dict[tuple[str, str, str], list[dict]] = {}
+    refusals: list[dict[str, Any]] = []
     for e in events:
         if isinstance(e, LedgerEvent):
             grouped.setdefault((e.role, e.mechanism), []).append(e)
+        elif e["kind"] == "refusal":
+            refusals.append({k: e[k] for k in ("role", "rule", "detail", "round")})
         else:
             unprotected.setdefault((e["role"], e["what"], e["reason"]), []).append(e)
 
@@ -235,6 +240,7 @@ def audit(
         accountant=accountant,
         rows=rows,
         unprotected=releases,
+        refusals=refusals,
         role_totals=role_totals,
         leakage=dict(leakage or {}),
     )
@@ -335,6 +341,14 @@ def format_report(report: AuditReport) -> str:
         )
     else:
         out.append(f"Releases with {NO_GUARANTEE}: none recorded.")
+    if report.refusals:
+        out += ["", "Calls refused by a party's release policy (nothing was released):"]
+        out += _table(
+            ["role", "round", "rule", "what was asked"],
+            [[r["role"], str(r["round"]), r["rule"], r["detail"]] for r in report.refusals],
+        )
+    else:
+        out.append("Calls refused by a party's release policy: none.")
     if report.leakage:
         out += ["", "Measured label inference from received gradients (ROC-AUC, 0.5 = chance):"]
         out += _table(

@@ -11,6 +11,8 @@ Line format (schema 1), one JSON object per line:
   "clip", "sample_rate", "steps", "delta", "epoch", "amplified", "note", "time"}``
 - a release with no formal guarantee: ``{"schema": 1, "kind": "unprotected", "role",
   "mechanism": "unprotected", "what", "reason", "epoch", "time"}``
+- a call a passive party refused (its release policy): ``{"schema": 1, "kind": "refusal",
+  "role", "rule", "detail", "round", "time"}`` (nothing was released)
 
 ``steps`` counts how many times each affected row was released by this event, the unit the
 accountant composes. For label DP and embedding DP (no amplification, sample rate 1) record
@@ -46,6 +48,7 @@ __all__ = [
 LEDGER_FILENAME = "ledger.jsonl"
 SCHEMA_VERSION = 1
 UNPROTECTED = "unprotected"
+REFUSAL = "refusal"
 
 History = list[tuple[float, float, int]]
 
@@ -180,7 +183,18 @@ def _parse_line(obj: Any) -> LedgerEvent | dict[str, Any]:
             epoch=body["epoch"],
             time=_check_number("time", body["time"], low=-math.inf, high=math.inf, high_ok=True),
         )
-    raise ValueError(f"unknown kind {kind!r}; expected 'dp' or {UNPROTECTED!r}")
+    if kind == REFUSAL:
+        expected = {"role", "rule", "detail", "round", "time"}
+        if set(body) != expected:
+            raise ValueError(f"a refusal record has exactly the keys {sorted(expected)}")
+        for name in ("role", "rule", "detail"):
+            if not isinstance(body[name], str) or not body[name]:
+                raise ValueError(f"{name} must be a non-empty string")
+        if isinstance(body["round"], bool) or not isinstance(body["round"], int):
+            raise ValueError(f"round must be an int, got {body['round']!r}")
+        _check_number("time", body["time"], low=-math.inf, high=math.inf, high_ok=True)
+        return {"kind": REFUSAL, **body}
+    raise ValueError(f"unknown kind {kind!r}; expected 'dp', {UNPROTECTED!r} or {REFUSAL!r}")
 
 
 def merge_history(events: list[LedgerEvent]) -> History:
@@ -303,6 +317,19 @@ class PrivacyLedger:
         record = _unprotected_record(
             role=role, what=what, reason=reason, epoch=epoch, time=_time.time()
         )
+        self._append({"schema": SCHEMA_VERSION, **record})
+        self._events.append(record)
+
+    def record_refusal(self, *, role: str, rule: str, detail: str, round: int) -> None:
+        """Record that `role` refused a call (rule broken, what was asked); nothing left it."""
+        record = {
+            "kind": REFUSAL,
+            "role": role,
+            "rule": rule,
+            "detail": detail[:2000],
+            "round": int(round),
+            "time": _time.time(),
+        }
         self._append({"schema": SCHEMA_VERSION, **record})
         self._events.append(record)
 

@@ -247,7 +247,11 @@ class RolePrivacy:
         self._left: dict[str, tuple[tuple[float, float], int]] = {}
         self._rows: np.ndarray | None = None
         self._releases: dict[str, RowReleases] = {}
-        self._unprotected = {(e["role"], e["what"]) for e in ledger.events if isinstance(e, dict)}
+        self._unprotected = {
+            (e["role"], e["what"])
+            for e in ledger.events
+            if isinstance(e, dict) and e["kind"] == "unprotected"
+        }
         for name, sigma in plan.calibrated:
             logger.info(
                 "%s: %s noise multiplier %.4g calibrated from its target epsilon",

@@ -60,8 +60,8 @@ class Aggregator:
                     self.logger.warning("dropped unexpected %r from the active party", env.kind)
         except P.RunAborted as exc:
             self.logger.error("%s", exc)
-            self._broadcast_abort(str(exc), lost=exc.lost)
-            return P.EXIT_PEER_LOST if exc.lost else P.EXIT_ERROR
+            self._broadcast_abort(str(exc), lost=exc.lost, refused=exc.refused)
+            return exc.exit_code
 
     def _handshake(self) -> None:
         roles = [self.active, *sorted(self.parties)]
@@ -128,10 +128,11 @@ class Aggregator:
             raise P.RunAborted(
                 f"{env.sender} failed: {env.meta.get('reason', 'no reason given')}",
                 lost=env.sender,
+                refused=env.meta.get("refused") is True,
             )
         return env
 
-    def _broadcast_abort(self, reason: str, *, lost: str | None) -> None:
+    def _broadcast_abort(self, reason: str, *, lost: str | None, refused: bool = False) -> None:
         for role in self.hub.connected():
             if role == lost:
                 continue
@@ -142,7 +143,7 @@ class Aggregator:
                         kind=P.ABORT,
                         sender=AGGREGATOR,
                         session=self.hub.session or "",
-                        meta={"reason": reason, "lost": lost},
+                        meta={"reason": reason, "lost": lost, "refused": refused},
                     ),
                 )
             except Exception as exc:  # best effort: the run is ending anyway
@@ -193,6 +194,12 @@ class Aggregator:
                     self._send(self.active, self.rounds.lost(call, [exc.lost], delivered=True))
                     return
                 continue
+            if reply.kind == P.REFUSED and reply.sender in waiting and reply.round == env.round:
+                # the round cannot complete: tell the active party who refused and why
+                reason = str(reply.meta.get("reason", "refused"))[:2000]
+                self.logger.error("round %d refused by %s: %s", env.round, reply.sender, reason)
+                self._send(self.active, self.rounds.refused(call, {reply.sender: reason}))
+                return
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
                 self.logger.warning(
                     "dropped %r for round %d from %s during round %d",
@@ -218,6 +225,8 @@ class Aggregator:
     def _drop(self, exc: P.RunAborted) -> bool:
         """Record a lost passive party if the method can go on without it."""
         lost = exc.lost
+        if exc.refused:  # a party that refused is not a lost party: the run stops
+            return False
         if not (self.tolerates_dropout and lost in self.parties and lost not in self.dead):
             return False
         self.dead.add(lost)

@@ -115,10 +115,16 @@ class RoleConnection:
         if env.kind == P.ABORT:
             lost = env.meta.get("lost")
             raise P.RunAborted(
-                env.meta.get("reason", f"the run was aborted ({lost} lost)"), lost=lost
+                env.meta.get("reason", f"the run was aborted ({lost} lost)"),
+                lost=lost,
+                refused=env.meta.get("refused") is True,
             )
         if env.kind == P.ERROR:
-            raise P.RunAborted(env.meta.get("reason", "a role failed"), lost=env.meta.get("role"))
+            raise P.RunAborted(
+                env.meta.get("reason", "a role failed"),
+                lost=env.meta.get("role"),
+                refused=env.meta.get("refused") is True,
+            )
         return env
 
     def send(self, env: Envelope) -> None:

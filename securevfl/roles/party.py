@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from securevfl.config import RunConfig
+from securevfl.errors import PolicyRefusal
 from securevfl.methods import method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
@@ -58,6 +59,7 @@ class PassiveParty:
             mask_keypair=self.conn.secrets.mask,
             mask_publics=self.conn.public.mask,
         )
+        rounds.guard.check_run()  # this party's own policy accepts the run its config describes
         while True:
             env = self.conn.recv(timeout=self.cfg.round_timeout, waiting_for="the next call")
             if env.kind == P.BYE:
@@ -76,13 +78,44 @@ class PassiveParty:
             if env.kind != P.CALL:
                 self.logger.warning("ignored unexpected %r message", env.kind)
                 continue
-            if env.round <= self.last_round:
-                self.logger.warning(
-                    "ignored call for round %d (already at %d)", env.round, self.last_round
+            if env.round <= self.last_round:  # a replay, or a call from before a restart
+                self._refused(
+                    env,
+                    PolicyRefusal(
+                        self.name,
+                        "replay",
+                        f"round {env.round} again (already at {self.last_round})",
+                    ),
+                    rounds,
                 )
                 continue
+            try:
+                reply = rounds.answer(env)
+            except PolicyRefusal as exc:
+                if exc.rule != "authentication":  # only the active party's rounds count
+                    self.last_round = env.round
+                self._refused(env, exc, rounds)
+                continue
             self.last_round = env.round
-            self.conn.send(rounds.answer(env))
+            self.conn.send(reply)
+
+    def _refused(self, env: Envelope, exc: PolicyRefusal, rounds: PartyRound) -> None:
+        """Record a refusal (log, ledger); then stop, or tell the aggregator and keep serving."""
+        self.logger.error("refused round %d: %s", env.round, exc)
+        self.ledger.record_refusal(
+            role=self.name, rule=exc.rule, detail=exc.detail, round=int(env.round)
+        )
+        if self.cfg.party(self.name).policy.on_refusal == "stop":
+            raise exc
+        self.conn.send(
+            Envelope(
+                kind=P.REFUSED,
+                sender=self.name,
+                session=self.conn.session_hex or "",
+                round=env.round,
+                meta={"rule": exc.rule, "reason": str(exc)},
+            )
+        )
 
 
 def run_party(
@@ -142,7 +175,11 @@ def report_failure(conn: RoleConnection, exc: BaseException) -> None:
                 kind=P.ERROR,
                 sender=conn.name,
                 session=conn.session_hex or "",
-                meta={"reason": f"{type(exc).__name__}: {exc}", "role": conn.name},
+                meta={
+                    "reason": f"{type(exc).__name__}: {exc}",
+                    "role": conn.name,
+                    "refused": isinstance(exc, PolicyRefusal),
+                },
             )
         )
     except Exception as send_exc:  # the run is failing anyway; the log keeps both

@@ -35,7 +35,8 @@ ABORT = "abort"
 ERROR = "error"
 BYE = "bye"
 STATS = "stats"
-KINDS = frozenset({HELLO, WELCOME, CALL, CONTRIB, RESULT, ABORT, ERROR, BYE, STATS})
+REFUSED = "refused"  # a party refused the round's call (its release policy); nothing released
+KINDS = frozenset({HELLO, WELCOME, CALL, CONTRIB, RESULT, ABORT, ERROR, BYE, STATS, REFUSED})
 
 # operations the roles handle themselves (not the method)
 OP_SETUP = "setup"

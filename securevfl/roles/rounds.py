@@ -27,6 +27,7 @@ from securevfl.errors import RunAborted
 from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
+from securevfl.roles.guard import call_tags
 from securevfl.secure_sum import (
     ContributionError,
     GroupTooSmall,
@@ -138,9 +139,20 @@ class PartyRound:
         mask_keypair: Any,
         mask_publics: Mapping[str, bytes],
     ) -> None:
+        from securevfl.roles.guard import CallGuard
+
         self.cfg = cfg
         self.name = name
         self.method = method
+        # every call is checked before anything is computed or released
+        self.guard = CallGuard(
+            cfg=cfg,
+            name=name,
+            spec=method_spec(cfg.method),
+            session=session,
+            keypair=mask_keypair,
+            active_public=mask_publics[cfg.active_name],
+        )
         self.run_dir = Path(run_dir)
         self.ledger = ledger
         self.logger = logger
@@ -155,16 +167,23 @@ class PartyRound:
         self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
 
     def answer(self, env: Envelope) -> Envelope:
-        """The contribution envelope answering call `env`."""
-        call = parse_call(env)
+        """The contribution envelope answering call `env`. Raises `PolicyRefusal` (nothing
+        computed, nothing released) for a call the guard refuses."""
+        self.guard.authenticate(env.meta, session=env.session, round=env.round, tensors=env.tensors)
+        try:
+            call = parse_call(env)
+        except ValueError as exc:
+            raise self.guard.refuse("malformed call", str(exc)) from None
+        self.guard.check(call)
+        shapes: dict[str, list[int]] = {}
         if call.op == P.OP_SETUP:
             tensors = self._setup(call)
         elif call.op == P.OP_CHECKPOINT:
             tensors = self._checkpoint(call)
         else:
             tensors, shapes = self._operation(call)
-            return self._reply(call, tensors, shapes)
-        return self._reply(call, tensors, {})
+        self.guard.after(call)
+        return self._reply(call, tensors, shapes)
 
     def _reply(self, call: Call, tensors: dict, shapes: dict) -> Envelope:
         return Envelope(
@@ -291,7 +310,12 @@ class PartyRound:
                 self.stage.protect(value, round=call.round, group=spec.group, key=spec.key)
             )
             shapes[spec.key] = list(np.shape(value))
-        for name in call.collect:
+        op = method_spec(self.cfg.method).operation(call.op)
+        for name in call.collect:  # declared clear and allowed by the policy (the guard checked)
+            self.privacy.record_unprotected_once(
+                what=f"{call.op}.{name} in the clear to the active party",
+                reason=op.release_of(name).why or "a clear release the policy allows",
+            )
             tensors[f"{name}@{self.name}"] = np.asarray(out[name])
         return tensors, shapes
 
@@ -395,6 +419,17 @@ class AggregatorRound:
         )
 
     @staticmethod
+    def refused(call: Call, reasons: Mapping[str, str]) -> Envelope:
+        """The result telling the active party that parties refused the round's call."""
+        return Envelope(
+            kind=P.RESULT,
+            sender="aggregator",
+            session=call.session,
+            round=call.round,
+            meta={"refused": dict(reasons), "shapes": {}},
+        )
+
+    @staticmethod
     def lost(call: Call, lost: Sequence[str], *, delivered: bool) -> Envelope:
         """The result telling the active party that the round failed because `lost` are gone;
         `delivered`: the call had reached every recipient (the others have run it)."""
@@ -476,6 +511,23 @@ class ActiveRound:
             if cfg.aggregation == "ckks"
             else stage_cls(sum_session)
         )
+        from securevfl.roles.guard import auth_key
+
+        # one call-authentication key per party, which the aggregator cannot derive
+        self._auth_keys = (
+            {
+                p: auth_key(
+                    keypair=mask_keypair,
+                    me=cfg.active_name,
+                    peer=p,
+                    peer_public=self.mask_publics[p],
+                    session=session,
+                )
+                for p in cfg.party_names
+            }
+            if mask_keypair is not None
+            else {}
+        )
         self.lost: list[str] = []
         self.epoch_seconds: list[float] = []
         self.history: list[dict[str, float]] = []
@@ -521,7 +573,22 @@ class ActiveRound:
             to=tuple(to),
             collect=tuple(collect),
         )
-        result = self.exchange(call.envelope(sender=self.config.active_name))
+        env = call.envelope(sender=self.config.active_name)
+        env.meta["auth"] = call_tags(
+            env.meta,
+            session=self.session,
+            round=call.round,
+            tensors=env.tensors,
+            keys={p: self._auth_keys[p] for p in call.to if p in self._auth_keys},
+        )
+        result = self.exchange(env)
+        if result.meta.get("refused"):
+            refused = result.meta["refused"]
+            raise RunAborted(
+                f"round {call.round} ({op}) was refused by a party's release policy: {refused}; "
+                "nothing was released (see that party's log and the ledger)",
+                refused=True,
+            )
         if result.meta.get("lost"):
             self._lose(result, op)
         shapes = result.meta.get("shapes", {})
@@ -673,7 +740,9 @@ class ActiveRound:
         authenticated public context); each answers which of the active party's rows it holds."""
         cfg = self.config
         inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
-        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1}
+        # what the active party runs: each party compares it with its own config
+        run = {"method": cfg.method, "aggregation": cfg.aggregation, "min_group": cfg.min_group}
+        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run}
         if self.ckks_context is not None:
             inputs["ckks_context"] = np.frombuffer(self.ckks_context, dtype=np.uint8)
             args["ckks_tags"] = {

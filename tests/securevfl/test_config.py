@@ -121,4 +121,7 @@ def test_overrides_replace_file_values(tmp_path):
         '[run]\naggregation = "mask"\n[data]\npath = "d.csv"\n'
         '[parties.a]\ncolumns = ["X1"]\n[parties.b]\ncolumns = ["X2"]\n'
     )
-    assert load_config(path, overrides={"run.aggregation": "plain"}).aggregation == "plain"
+    plain = {"run.aggregation": "plain", "policy.aggregations": ["plain"]}
+    assert load_config(path, overrides=plain).aggregation == "plain"
+    with pytest.raises(ConfigError, match=r"\[parties.a.policy\] aggregations"):
+        load_config(path, overrides={"run.aggregation": "plain"})  # the parties never agreed

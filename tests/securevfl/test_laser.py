@@ -32,6 +32,7 @@ from securevfl.methods.laser import (
     sample_tasks,
     task_weights,
 )
+from tests.securevfl.conftest import permissive_policy
 
 # --------------------------------------------------------------------------------------------
 # kit
@@ -92,7 +93,7 @@ def block_config(
         raw["missing"].pop("train")
     if p_test == 0:
         raw["missing"].pop("test")
-    return parse_config(raw, source=directory / "config.toml")
+    return parse_config(permissive_policy(raw), source=directory / "config.toml")
 
 
 # --------------------------------------------------------------------------------------------
@@ -482,7 +483,7 @@ def test_active_party_with_its_own_block(tmp_path):
         "model": {"hidden": [16], "width": 8},
         "missing": {"train": {"kind": "mcar", "p": 0.3}},
     }
-    cfg = parse_config(raw, source=tmp_path / "config.toml")
+    cfg = parse_config(permissive_policy(raw), source=tmp_path / "config.toml")
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
     metrics = fed.run()
     assert fed.method.blocks == ("p0", "p1", "active")

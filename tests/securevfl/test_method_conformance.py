@@ -21,6 +21,7 @@ from securevfl.config import ConfigError, DPConfig, parse_config
 from securevfl.direct import DirectFederation
 from securevfl.methods import method_names, method_spec
 from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
+from tests.securevfl.conftest import permissive_policy
 
 NAMES = [n for n in method_names() if method_spec(n).example is not None]
 
@@ -29,7 +30,7 @@ def example_config(name, directory, **run):
     directory.mkdir(parents=True, exist_ok=True)
     raw = method_spec(name).example(directory)
     raw.setdefault("run", {}).update(run)
-    return parse_config(raw, source=directory / "config.toml")
+    return parse_config(permissive_policy(raw), source=directory / "config.toml")
 
 
 def _flat(metrics):

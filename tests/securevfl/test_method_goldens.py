@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.securevfl.conftest import permissive_policy
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
@@ -159,7 +161,7 @@ def run_case(method: str, aggregation: str, directory: Path) -> dict[str, Any]:
     from securevfl.inproc import run_federation
 
     raw["run"]["transport"] = "inproc"
-    cfg = parse_config(raw, source=directory / "config.toml")
+    cfg = parse_config(permissive_policy(raw), source=directory / "config.toml")
     code, metrics = run_federation(cfg, out=directory / "run")
     assert code == 0 and metrics is not None, (directory / "run" / "logs").glob("*")
     return summarise(metrics)

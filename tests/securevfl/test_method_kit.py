@@ -64,6 +64,7 @@ def test_keys_command_loads_no_model_code(tmp_path):
     config.write_text(
         '[run]\nmethod = "vfem"\n[data]\npath = "x.csv"\ntask = "regression"\n'
         '[parties.a]\ncolumns = ["X1"]\n[parties.b]\ncolumns = ["X2"]\n'
+        '[policy]\nclear_releases = ["design.spectrum", "finish.*"]\n'
     )
     done = _python(
         f"""

@@ -14,6 +14,7 @@ from securevfl.data.table import (
     train_test_split,
     write_csv,
 )
+from tests.securevfl.conftest import permissive_policy
 
 PARTIES = ("a", "b", "c", "d")
 
@@ -86,7 +87,7 @@ def _raw(tmp_path, missing):
         "parties": {p: {"columns": [f"X{i + 1}"]} for i, p in enumerate(PARTIES)},
         "missing": missing,
     }
-    return parse_config(raw, source=tmp_path / "config.toml")
+    return parse_config(permissive_policy(raw), source=tmp_path / "config.toml")
 
 
 def test_split_federation_applies_train_and_test_rates_separately(tmp_path):

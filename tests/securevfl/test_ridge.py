@@ -11,6 +11,7 @@ from securevfl.config import ConfigError, parse_config
 from securevfl.data.table import write_csv
 from securevfl.inproc import run_federation
 from securevfl.methods import method_names
+from tests.securevfl.conftest import permissive_policy
 
 NETWORK = {"heartbeat_interval": 0.2, "peer_timeout": 5.0, "round_timeout": 30.0}
 
@@ -36,7 +37,7 @@ def ridge_config(tmp_path, aggregation="mask", **method):
         "network": NETWORK,
         "method": {"alpha": 0.01, "iterations": 200, **method},
     }
-    return parse_config(raw, source=tmp_path / "config.toml"), x, y
+    return parse_config(permissive_policy(raw), source=tmp_path / "config.toml"), x, y
 
 
 def closed_form_rmse(cfg, x, y, train, test, alpha):

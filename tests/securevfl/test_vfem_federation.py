@@ -29,6 +29,7 @@ from securevfl.stats.reference import (
     single_ols,
     vfem_step,
 )
+from tests.securevfl.conftest import permissive_policy
 from tests.securevfl.test_vfem_stats import fit_mle, simulate
 
 COLS = [f"X{i + 1}" for i in range(7)]
@@ -75,7 +76,7 @@ def run(
             raw.setdefault(section, {})[key] = value
         else:
             raw[section] = value
-    cfg = parse_config(raw, source=directory / "config.toml")
+    cfg = parse_config(permissive_policy(raw), source=directory / "config.toml")
     out = io.StringIO()
     code, metrics = run_federation(cfg, out=directory / name, stdout=out)
     return code, metrics, out.getvalue(), directory / name
@@ -341,7 +342,7 @@ def test_config_checks_name_the_key(changes, key, words):
     for section, values in changes.items():
         raw.setdefault(section, {}).update(values)
     with pytest.raises(ConfigError) as info:
-        parse_config(raw, source=Path("/tmp/x/config.toml"))
+        parse_config(permissive_policy(raw), source=Path("/tmp/x/config.toml"))
     assert info.value.key == key
     assert words in str(info.value)
 
@@ -368,7 +369,7 @@ def test_resume_after_a_crash_gives_the_same_estimates(tmp_path, monkeypatch):
     monkeypatch.setattr(vfem.BlockState, "mstep", update)
     raw = copy.deepcopy(BASE)
     raw["method"]["checkpoint_every"] = 20
-    cfg = parse_config(raw, source=tmp_path / "config.toml")
+    cfg = parse_config(permissive_policy(raw), source=tmp_path / "config.toml")
     code, resumed = run_federation(cfg, out=run_dir, resume=True, stdout=io.StringIO())
     assert code == 0
     assert resumed["fit"]["iterations"] == reference["fit"]["iterations"]

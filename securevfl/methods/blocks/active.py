@@ -65,6 +65,10 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         self.optimizer = block_optimizer(params, cfg)
         self.extra_tests: dict[str, dict[str, Any]] = {}
         self.skipped_tasks_total = 0
+        # rows whose forward reached the parties in a round that lost one: the aggregator may
+        # hold their sums over the full group, so they are not summed again until every
+        # survivor named here has updated its model (a new version: no differencing)
+        self.quarantine: dict[int, set[str]] = {}
 
     # --- what subclasses provide
 
@@ -186,12 +190,17 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         DP, ledger), then step the active party's optimizer."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.return_gradients(ctx, ids, leaves, epoch=epoch)
+        updated = self.return_gradients(ctx, ids, leaves, epoch=epoch)
         self.optimizer.step()
+        if self.quarantine:
+            for row in list(self.quarantine):
+                self.quarantine[row] -= updated
+                if not self.quarantine[row]:
+                    del self.quarantine[row]
 
     def return_gradients(
         self, ctx: ActiveContext, ids: np.ndarray, leaves: Mapping, *, epoch: int
-    ) -> None:
+    ) -> set[str]:
         """Party k's gradient is the sum, over the groups it contributed to, of dL/dS_group;
         parties with the same groups get the same gradients, in one call."""
         per_party: dict[str, dict[str, Any]] = {}
@@ -211,6 +220,7 @@ class BlockActive(BlockEvaluation, ActiveMethod):
             for members in by_sources.values()
         }
         ctx.return_gradients(grads, ids=ids, epoch=epoch)
+        return {p for p in per_party if p in ctx.parties}  # the parties that updated
 
     # --- presence and dropouts
 
@@ -272,6 +282,11 @@ class BlockActive(BlockEvaluation, ActiveMethod):
                 keys=self.batch_keys(train_ids, pres),
             )
             for ids, pattern in batches:
+                if self.quarantine:
+                    ids = ids[~np.isin(ids, np.fromiter(self.quarantine, dtype=np.int64))]
+                    if not len(ids):
+                        stats["skipped_batches"] += 1
+                        continue
                 self.train_batch(ctx, ids, pattern, epoch=epoch, rng=rng, stats=stats)
             self.skipped_tasks_total += stats["skipped_tasks"]
             if stats["skipped_tasks"] or stats["skipped_batches"]:
@@ -306,7 +321,10 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         rng: np.random.Generator,
         stats: dict[str, Any],
     ) -> None:
-        """One batch, redone with the survivors if a party drops during its forward."""
+        """One batch. If a party drops during its forward and the others had answered, the
+        batch is skipped: the aggregator may hold sums of these rows over the full group, and
+        a re-run over the survivors would difference to the lost party's values (the parties
+        refuse it). If nobody had answered, it is re-run with the survivors."""
         while True:
             self.sync_dead(ctx)
             present = self.present_of(pattern)
@@ -317,6 +335,12 @@ class BlockActive(BlockEvaluation, ActiveMethod):
                 loss, skipped = self.train_step(ctx, ids, present, epoch=epoch, rng=rng)
             except PartyDropped as exc:
                 self.lose(ctx, exc.party)
+                if exc.delivered:
+                    survivors = {p for p in present if p in ctx.parties and p != self.own_name}
+                    for row in ids.tolist():
+                        self.quarantine[row] = set(survivors)
+                    stats["skipped_batches"] += 1
+                    return
                 continue
             stats["skipped_tasks"] += skipped
             if loss is None:
@@ -345,6 +369,7 @@ class BlockActive(BlockEvaluation, ActiveMethod):
             "optimizer": self.optimizer.state_dict(),
             "dead": list(self.dead),
             "skipped_tasks_total": self.skipped_tasks_total,
+            "quarantine": {str(r): sorted(ps) for r, ps in self.quarantine.items()},
         }
         if self.own is not None:
             state["own"] = self.own.state_dict()
@@ -356,6 +381,7 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         self.optimizer.load_state_dict(state["optimizer"])
         self.dead = list(state.get("dead", []))
         self.skipped_tasks_total = int(state.get("skipped_tasks_total", 0))
+        self.quarantine = {int(r): set(ps) for r, ps in state.get("quarantine", {}).items()}
         if self.own is not None:
             self.own.load_state_dict(state["own"])
             self.own_scaler.load_state_dict(state["own_scaler"])

@@ -115,6 +115,10 @@ class BlockEvaluation:
                         break
                     except PartyDropped as exc:
                         self.lose(ctx, exc.party)
+                        if exc.delivered:  # summed over the full group already: no re-run
+                            guess = self.random_classes(len(rows), present)
+                            pred = Prediction({"joint": guess}, fallback=True)
+                            break
                 if pred is None:
                     n_excluded += len(rows)
                     continue

@@ -198,6 +198,9 @@ OPERATIONS = (
     ),
 )
 
+# what a party must allow in its policy's clear_releases to run vfem or its comparators
+VFEM_CLEAR = ("design.spectrum", "finish.coef", "finish.var")
+
 SPEC = MethodSpec(
     name="vfem",
     active="securevfl.methods.vfem.active:VfemActive",
@@ -208,5 +211,5 @@ SPEC = MethodSpec(
     description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
     checks=(check_regression,),
     secure_defaults=SECURE_DEFAULTS,
-    example=partial(examples.regression, method="vfem", p_missing=0.2),
+    example=partial(examples.regression, method="vfem", p_missing=0.2, clear_releases=VFEM_CLEAR),
 )

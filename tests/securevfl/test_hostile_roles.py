@@ -1,0 +1,410 @@
+"""The party protects itself, tested from the attacker's side: three real `securevfl party`
+processes (CURVE over loopback TCP) face a test that plays a modified aggregator and a modified
+active party. The active party holds its real keys (it is a curious member of the federation);
+the aggregator holds only its own. Every attack is refused with a named rule in the party's log
+and ledger, the attacker receives no contribution for it, and honest calls are still served.
+
+The parties run with ``on_refusal = "skip"`` so one set of processes meets every attack; the
+default ("stop") is tested at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from securevfl.config import load_config
+from securevfl.data.table import role_data_path, split_federation
+from securevfl.keys import generate_keys, load_public, load_secrets
+from securevfl.methods import SumSpec
+from securevfl.roles import protocol as P
+from securevfl.roles.guard import auth_key, call_tags
+from securevfl.roles.rounds import Call
+from tests.securevfl.conftest import synthetic_csv, write_toml
+from transport import Allowlist, Envelope, Hub, ReceiveTimeout
+
+pytestmark = pytest.mark.multiprocess
+
+PARTIES = ("p1", "p2", "p3")
+
+
+def federation_raw(on_refusal: str = "skip") -> dict:
+    return {
+        "run": {"method": "splitnn", "aggregation": "mask", "seed": 0},
+        "data": {"path": "data.csv", "test_fraction": 0.25},
+        "active": {"columns": []},
+        "parties": {
+            "p1": {"columns": ["X1", "X2"]},
+            "p2": {"columns": ["X3", "X4"]},
+            "p3": {"columns": ["X5", "X6"]},
+        },
+        "train": {"epochs": 1, "batch_size": 32},
+        "model": {"hidden": [8], "width": 4},
+        "network": {"heartbeat_interval": 0.3, "peer_timeout": 20.0, "round_timeout": 60.0},
+        "policy": {"on_refusal": on_refusal},
+    }
+
+
+class Attacker:
+    """A modified aggregator (the hub every party connects to) that can also speak for a
+    modified active party (with the active party's real masking key)."""
+
+    def __init__(self, root: Path, on_refusal: str = "skip") -> None:
+        synthetic_csv(root / "data.csv", n=200)
+        config = write_toml(federation_raw(on_refusal), root / "config.toml", strict=True)
+        self.cfg = load_config(config)
+        self.run_dir = root / "run"
+        split_federation(self.cfg, self.run_dir)
+        keys = root / "keys"
+        generate_keys(self.cfg.role_names, keys)
+        public = load_public(keys)
+        agg = load_secrets(keys, "aggregator")
+        self.active = load_secrets(keys, "active")
+        self.hub = Hub(
+            name="aggregator",
+            bind="tcp://127.0.0.1:*",
+            keypair=agg.curve,
+            allowlist=Allowlist({r: public.curve_public(r) for r in self.cfg.role_names}),
+            kinds=P.KINDS,
+            heartbeat_interval=0.3,
+            peer_timeout=20.0,
+        )
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs = {
+            p: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "securevfl",
+                    "party",
+                    "--config",
+                    str(config),
+                    "--name",
+                    p,
+                    "--out",
+                    str(self.run_dir),
+                    "--keys",
+                    str(keys),
+                    "--data",
+                    str(role_data_path(self.run_dir, p)),
+                    "--address",
+                    self.hub.endpoint,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for p in PARTIES
+        }
+        nonces = {"active": secrets.token_hex(16)}
+        deadline = time.monotonic() + 90
+        while len(nonces) < 1 + len(PARTIES):
+            assert time.monotonic() < deadline, "parties did not join"
+            try:
+                hello = self.hub.recv(timeout=1.0)
+            except ReceiveTimeout:
+                continue
+            nonces[hello.sender] = hello.meta["nonce"]
+        session = P.session_id(nonces)
+        self.hub.session = session
+        self.session = bytes.fromhex(session)
+        for p in PARTIES:
+            self.hub.send(
+                p,
+                Envelope(
+                    kind=P.WELCOME,
+                    sender="aggregator",
+                    session=session,
+                    meta={"session": session, "nonces": nonces},
+                ),
+            )
+        self.keys = {
+            p: auth_key(
+                keypair=self.active.mask,
+                me="active",
+                peer=p,
+                peer_public=public.mask[p],
+                session=self.session,
+            )
+            for p in PARTIES
+        }
+        self.round = 0
+        self.ids = np.arange(1, 201, dtype=np.int64)
+
+    def call(
+        self,
+        op,
+        *,
+        ids=None,
+        sums=(),
+        to=PARTIES,
+        args=None,
+        inputs=None,
+        collect=(),
+        tamper=None,
+        sign=True,
+        round=None,
+    ):
+        """Sign a call as the active party would (unless `sign` is False), let `tamper` change
+        the envelope as a modified aggregator would, send it, and return each party's reply."""
+        self.round = self.round + 1 if round is None else round
+        call = Call(
+            op=op,
+            round=self.round,
+            session=self.session.hex(),
+            ids=self.ids[:40] if ids is None else ids,
+            args=dict(args or {}),
+            inputs=dict(inputs or {}),
+            sums=tuple(sums),
+            to=tuple(to),
+            collect=tuple(collect),
+        )
+        env = call.envelope(sender="aggregator")
+        if sign:
+            env.meta["auth"] = call_tags(
+                env.meta, session=self.session, round=env.round, tensors=env.tensors, keys=self.keys
+            )
+        if tamper is not None:
+            tamper(env)
+        return self.send(env, to)
+
+    def send(self, env, to):
+        for p in to:
+            self.hub.send(p, env)
+        replies = {}
+        deadline = time.monotonic() + 60
+        while len(replies) < len(to):
+            assert time.monotonic() < deadline, f"no answer from {set(to) - set(replies)}"
+            try:
+                reply = self.hub.recv(timeout=1.0)
+            except ReceiveTimeout:
+                continue
+            if reply.round == env.round:
+                replies[reply.sender] = reply
+        return replies
+
+    def setup(self):
+        run = {"method": "splitnn", "aggregation": "mask", "min_group": 2}
+        return self.call(
+            "setup",
+            ids=np.empty(0, dtype=np.int64),
+            args={"run": run},
+            inputs={"train_ids": self.ids, "all_ids": self.ids},
+            collect=("present",),
+        )
+
+    def close(self):
+        for p in PARTIES:
+            if self.procs[p].poll() is None:
+                try:
+                    self.hub.send(
+                        p,
+                        Envelope(
+                            kind=P.BYE,
+                            sender="aggregator",
+                            session=self.hub.session,
+                            round=self.round + 1,
+                        ),
+                    )
+                except Exception:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.hub.close()
+
+
+@pytest.fixture(scope="module")
+def attacker(tmp_path_factory):
+    a = Attacker(tmp_path_factory.mktemp("hostile"))
+    try:
+        replies = a.setup()
+        assert all(r.kind == P.CONTRIB for r in replies.values()), replies
+        yield a
+    finally:
+        a.close()
+
+
+def refused(replies, rule, parties=PARTIES):
+    for p in parties:
+        r = replies[p]
+        assert r.kind == P.REFUSED, f"{p} answered {r.kind} with {sorted(r.tensors)}"
+        assert not r.tensors, "a refusal carries nothing"
+        assert r.meta["rule"] == rule, r.meta
+
+
+def everything(sums):
+    return [SumSpec(key="S", tensor="rep", group=PARTIES), *sums]
+
+
+def test_asking_for_a_representation_in_the_clear_is_refused(attacker):
+    replies = attacker.call("forward", args={"train": False}, collect=("rep",), sums=everything([]))
+    refused(replies, "clear release")
+
+
+def test_overlapping_groups_in_one_call_are_refused(attacker):
+    """{p1,p2,p3} and {p1,p2} over the same rows differ by p3's representation: p1 and p2
+    refuse; p3's answer alone is masked for a group whose other masks never arrive."""
+    sums = everything([SumSpec(key="T", tensor="rep", group=("p1", "p2"))])
+    replies = attacker.call("forward", args={"train": False}, sums=sums)
+    refused(replies, "differencing", parties=("p1", "p2"))
+    only = replies["p3"]
+    assert only.kind == P.CONTRIB and set(only.tensors) == {"S"}
+    assert only.tensors["S"].dtype == np.uint64  # ring elements, masked for {p1, p2, p3}
+
+
+def test_overlapping_groups_across_calls_of_one_model_version_are_refused(attacker):
+    ids = attacker.ids[40:80]
+    first = attacker.call("forward", ids=ids, args={"train": False}, sums=everything([]))
+    assert all(r.kind == P.CONTRIB for r in first.values())
+    second = attacker.call(
+        "forward",
+        ids=ids,
+        args={"train": False},
+        to=("p1", "p2"),
+        sums=[SumSpec(key="S", tensor="rep", group=("p1", "p2"))],
+    )
+    refused(second, "differencing", parties=("p1", "p2"))
+
+
+@pytest.mark.parametrize("member", ["active", "aggregator"])
+def test_the_active_party_or_the_aggregator_is_no_group_member(attacker, member):
+    replies = attacker.call(
+        "forward",
+        to=("p1",),
+        args={"train": False},
+        sums=[SumSpec(key="S", tensor="rep", group=("p1", member))],
+    )
+    refused(replies, "group", parties=("p1",))
+
+
+def test_a_sum_over_one_party_is_refused(attacker):
+    replies = attacker.call(
+        "forward",
+        to=("p1",),
+        args={"train": False},
+        sums=[SumSpec(key="S", tensor="rep", group=("p1",))],
+    )
+    refused(replies, "min_group", parties=("p1",))
+
+
+def test_undeclared_operations_inputs_and_tensors_are_refused(attacker):
+    refused(attacker.call("dump_table"), "undeclared operation")
+    refused(attacker.call("backward", inputs={"labels": np.zeros(40)}), "undeclared input")
+    sums = [SumSpec(key="S", tensor="raw_rows", group=PARTIES)]
+    refused(attacker.call("forward", args={"train": False}, sums=sums), "undeclared sum")
+
+
+def test_a_call_the_aggregator_rewrote_is_refused(attacker):
+    def other_rows(env):
+        env.tensors["ids"] = attacker.ids[100:140]
+
+    def smaller_group(env):
+        env.meta["sums"] = [["S", "rep", ["p1", "p2"]]]
+
+    for tamper in (other_rows, smaller_group):
+        replies = attacker.call(
+            "forward", args={"train": False}, sums=everything([]), tamper=tamper
+        )
+        refused(replies, "authentication")
+
+
+def test_invented_and_replayed_calls_are_refused(attacker):
+    refused(
+        attacker.call("forward", args={"train": False}, sums=everything([]), sign=False),
+        "authentication",
+    )
+    honest = attacker.call(
+        "forward", ids=attacker.ids[140:180], args={"train": False}, sums=everything([])
+    )
+    assert all(r.kind == P.CONTRIB for r in honest.values())
+    replay = attacker.call(
+        "forward",
+        ids=attacker.ids[140:180],
+        args={"train": False},
+        sums=everything([]),
+        round=attacker.round,
+    )  # same round again
+    refused(replay, "replay")
+
+    # a new round number breaks the tag the active party computed for the old one
+    def bump(env):
+        env.round = attacker.round + 50
+
+    refused(
+        attacker.call(
+            "forward",
+            ids=attacker.ids[140:180],
+            args={"train": False},
+            sums=everything([]),
+            tamper=bump,
+        ),
+        "authentication",
+    )
+
+
+def test_honest_calls_are_still_served_and_only_sums_are_revealed(attacker):
+    replies = attacker.call(
+        "forward", ids=attacker.ids[180:200], args={"train": False}, sums=everything([])
+    )
+    assert all(r.kind == P.CONTRIB for r in replies.values())
+    # each contribution alone is uniformly random ring elements; their sum decodes
+    from crypto import FixedPointEncoder
+
+    total = sum(r.tensors["S"] for r in replies.values())  # uint64 wraps: ring addition
+    values = FixedPointEncoder(frac_bits=20, bound=2.0**20).decode(total, terms=3)
+    assert values.shape == (20, 4) and np.all(np.abs(values) < 100)
+
+
+def test_every_refusal_is_in_the_parties_logs_and_the_ledger(attacker):
+    events = [json.loads(line) for line in (attacker.run_dir / "ledger.jsonl").open()]
+    rules = {(e["role"], e["rule"]) for e in events if e["kind"] == "refusal"}
+    for rule in (
+        "clear release",
+        "differencing",
+        "group",
+        "min_group",
+        "undeclared operation",
+        "authentication",
+        "replay",
+    ):
+        assert ("p1", rule) in rules, rule
+    log = (attacker.run_dir / "logs" / "p1.log").read_text()
+    assert "refused round" in log and "differencing" in log and "authentication" in log
+    assert not [e for e in events if e["kind"] == "unprotected"], "nothing left in the clear"
+
+
+def test_a_party_stops_on_a_refusal_by_default(tmp_path):
+    a = Attacker(tmp_path, on_refusal="stop")
+    try:
+        assert all(r.kind == P.CONTRIB for r in a.setup().values())
+        for p in PARTIES:
+            a.hub.send(
+                p,
+                Call(
+                    op="forward",
+                    round=a.round + 1,
+                    session=a.session.hex(),
+                    ids=a.ids[:10],
+                    collect=("rep",),
+                    to=PARTIES,
+                ).envelope(sender="aggregator"),
+            )
+        codes = {p: a.procs[p].wait(timeout=60) for p in PARTIES}
+        assert codes == dict.fromkeys(PARTIES, 5), codes  # exit 5: refused, nothing released
+        for p in PARTIES:
+            assert "authentication" in a.procs[p].stderr.read()
+    finally:
+        a.close()
