@@ -167,6 +167,11 @@ def build_config(job: dict[str, Any], run_dir: Path):
         },
         "model": {"hidden": [10, 10], "width": 10, "head_hidden": []},
         "method": options,
+        # a benchmark of plain against the secure modes: the parties accept what it runs
+        "policy": {
+            "aggregations": ["plain", "mask", "ckks"],
+            "min_group": min(2, job.get("min_group", 2)),
+        },
         "network": {
             "heartbeat_interval": 1.0,
             "peer_timeout": 60.0,

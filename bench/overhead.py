@@ -38,6 +38,9 @@ test_fraction = 0.2
 [active]
 columns = []
 
+[policy]                   # a benchmark of plain against the secure modes: the parties accept all
+aggregations = ["plain", "mask", "ckks"]
+
 [parties.p1]
 columns = ["X1", "X2", "X3", "X4", "X5"]
 [parties.p2]

@@ -38,6 +38,8 @@ def credit_config(
 ) -> dict:
     raw = {
         "run": {"method": "splitnn", "aggregation": "plain", "seed": seed},
+        # the label-DP sweep runs plain (what the parties receive does not depend on it)
+        "policy": {"aggregations": ["plain"]},
         "data": {
             "path": str(data.resolve()),
             "id": "ID",

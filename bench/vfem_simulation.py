@@ -266,6 +266,7 @@ def federated_check(design: str, n: int, rep: int, workdir: Path) -> tuple[float
         },
         "secure": {"frac_bits": 40, "bound": 2.0**18},
         "method": {"tol_loss": 1e-13, "tol_beta": 1e-10, "max_iter": 50_000},
+        "policy": {"clear_releases": ["design.spectrum", "finish.coef", "finish.var"]},
     }
     cfg = parse_config(raw, source=d / "config.toml")
     code, metrics = run_federation(cfg, out=d / "run", stdout=io.StringIO())

@@ -63,6 +63,9 @@ class CkksConfig:
     poly_modulus_degree: int = 8192
     coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
     scale_bits: int = 40
+    # decrypted sums are flooded (2^flood_bits x the error bound) and rounded (2^-precision_bits)
+    precision_bits: int = 20
+    flood_bits: int = 10
 
 
 @dataclass(frozen=True)
@@ -636,7 +639,13 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
 
 
 def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
-    known = {"poly_modulus_degree", "coeff_mod_bit_sizes", "scale_bits"}
+    known = {
+        "poly_modulus_degree",
+        "coeff_mod_bit_sizes",
+        "scale_bits",
+        "precision_bits",
+        "flood_bits",
+    }
     for k in raw:
         if k not in known:
             raise ConfigError(f"[secure] ckks.{k}", f"unknown key; known keys are {sorted(known)}")
@@ -653,7 +662,22 @@ def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
     scale = _integer(
         raw.get("scale_bits", default.scale_bits), "[secure] ckks.scale_bits", minimum=10
     )
-    return CkksConfig(poly_modulus_degree=degree, coeff_mod_bit_sizes=bits_t, scale_bits=scale)
+    precision = _integer(
+        raw.get("precision_bits", default.precision_bits),
+        "[secure] ckks.precision_bits",
+        minimum=8,
+        maximum=40,
+    )
+    flood = _integer(
+        raw.get("flood_bits", default.flood_bits), "[secure] ckks.flood_bits", minimum=0, maximum=40
+    )
+    return CkksConfig(
+        poly_modulus_degree=degree,
+        coeff_mod_bit_sizes=bits_t,
+        scale_bits=scale,
+        precision_bits=precision,
+        flood_bits=flood,
+    )
 
 
 # kind -> {parameter: default (None: required)}; generators add theirs (`register_missing_kind`)

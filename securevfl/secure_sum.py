@@ -45,6 +45,8 @@ class SumSession:
     mask_keypair: MaskingKeyPair | None = None
     mask_publics: Mapping[str, bytes] = field(default_factory=dict)
     ckks_public_context: bytes | None = None
+    # the key holder's release of decrypted sums (crypto.ckks.DecryptionRelease)
+    ckks_release: Any = None
 
 
 def group_allowed(cfg: Any, group: Sequence[str]) -> bool:
@@ -349,7 +351,11 @@ class CkksActive(ActiveSumStage):
 
         length = int(np.prod(shape))
         packed = PackedCiphertexts(chunks=_chunks(combined, key, "aggregator"), length=length)
-        return np.asarray(self.key_holder.decrypt_sum(packed, shape=tuple(shape)), dtype=np.float64)
+        # flooded and rounded: values derived from it leave the key holder (gradients)
+        value = self.key_holder.decrypt_sum(
+            packed, shape=tuple(shape), release=self.s.ckks_release, terms=len(group)
+        )
+        return np.asarray(value, dtype=np.float64)
 
 
 @dataclass(frozen=True)

@@ -498,12 +498,20 @@ class ActiveRound:
                 )
             )
             self.ckks_context = self.key_holder.public_context_bytes()
+        release = None
+        if cfg.aggregation == "ckks":
+            from crypto.ckks import DecryptionRelease
+
+            release = DecryptionRelease(
+                precision_bits=cfg.ckks.precision_bits, flood_bits=cfg.ckks.flood_bits
+            )
         sum_session = SumSession(
             name=cfg.active_name,
             session=session,
             min_group=cfg.min_group,
             frac_bits=cfg.frac_bits,
             bound=cfg.bound,
+            ckks_release=release,
         )
         stage_cls = backend(cfg.aggregation).active
         self.stage = (

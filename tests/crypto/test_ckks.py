@@ -459,3 +459,30 @@ def test_security_table_agrees_with_seal(degree: int) -> None:
             poly_modulus_degree=degree,
             coeff_mod_bit_sizes=_sizes_totalling(limit + 1),
         )
+
+
+def test_decryptions_that_leave_the_key_holder_are_flooded_and_rounded():
+    """IND-CPA^D mitigation: the raw decryption error stays within `error_bound`, and a
+    released decryption is the value plus Gaussian noise of 2^flood_bits times that bound,
+    fresh each time (CSPRNG-seeded), on the 2^-precision_bits grid."""
+    from crypto.ckks import DecryptionRelease, error_bound
+
+    holder = CkksKeyHolder()
+    public = CkksPublic(context_bytes=holder.public_context_bytes())
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=8192) for _ in range(4)]
+    total = public.add([public.encrypt(x) for x in xs])
+    exact = np.sum(xs, axis=0)
+    raw = holder.decrypt_sum(total, shape=(8192,))
+    bound = error_bound(holder.params, terms=4)
+    assert np.max(np.abs(raw - exact)) < bound / 5  # the bound is conservative
+    release = DecryptionRelease(precision_bits=20, flood_bits=10)
+    a = holder.decrypt_sum(total, shape=(8192,), release=release, terms=4)
+    b = holder.decrypt_sum(total, shape=(8192,), release=release, terms=4)
+    assert np.array_equal(a * 2**20, np.round(a * 2**20))  # on the grid
+    std = release.flood_std(holder.params, terms=4)
+    assert std == pytest.approx(2**10 * bound)
+    assert np.std(a - exact) == pytest.approx(std, rel=0.05)
+    assert not np.array_equal(a, b)  # fresh noise: no two releases of a sum are equal
+    with pytest.raises(ValueError, match="flood_bits"):
+        DecryptionRelease(flood_bits=-1)

@@ -29,6 +29,7 @@ def test_credit_plain_mask_ckks_agree(tmp_path):
             f'[data]\npath = "{CREDIT}"\ntask = "binary"\ntest_fraction = 0.2\n'
             f"{parties}\n[train]\nepochs = 2\nbatch_size = 256\nlr = 0.001\n"
             "[model]\nhidden = [64]\nwidth = 16\n"
+            '[policy]\naggregations = ["plain", "mask", "ckks"]\n'
         )
         done = securevfl_cli("run", str(config), "--out", str(tmp_path / aggregation), timeout=900)
         assert done.returncode == 0, done.stderr
