@@ -93,6 +93,12 @@ def run_one(aggregation: str, *, data: Path, epochs: int, seed: int, work: Path)
             for r, v in metrics["roles"].items()
         },
         "party_bytes_sent_per_epoch": metrics["roles"]["p1"]["bytes_sent"] / epochs,
+        # the release policy's cost: the active party tagging calls, each party checking them
+        "training_seconds": sum(metrics["epoch_seconds"]),
+        "auth_seconds": metrics["roles"]["active"].get("auth_seconds", 0.0),
+        "guard_seconds": {
+            r: v.get("guard_seconds", 0.0) for r, v in metrics["roles"].items() if r.startswith("p")
+        },
     }
 
 
@@ -181,8 +187,19 @@ def main() -> None:
         }
         for n, r in runs.items()
     }
+    guard = {
+        n: {
+            "active_auth_share": r["auth_seconds"] / r["training_seconds"],
+            "party_guard_share_max": max(r["guard_seconds"].values()) / r["training_seconds"],
+            # on 2 cores the roles share the CPU: the conservative total
+            "total_share": (r["auth_seconds"] + sum(r["guard_seconds"].values()))
+            / r["training_seconds"],
+        }
+        for n, r in runs.items()
+    }
     results = {
         "benchmark": "split-NN Credit 4x5 columns, batch 256, width 16",
+        "policy_overhead": guard,
         "epochs": args.epochs,
         "runs": runs,
         "ratios": ratios,
@@ -193,6 +210,10 @@ def main() -> None:
     plot(results, args.out.with_suffix(".png"))
     print(
         "ratios to plain:", {n: {k: round(v, 2) for k, v in r.items()} for n, r in ratios.items()}
+    )
+    print(
+        "call authentication and policy checks, share of training time:",
+        {n: {k: f"{100 * v:.2f} %" for k, v in g.items()} for n, g in guard.items()},
     )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 

@@ -130,6 +130,8 @@ class RunConfig:
     delta: float | None = None
     accountant: str = "rdp"
     record_received: bool = False
+    # reproducible DP noise for tests: not private (the ledger says so)
+    noise_seed: int | None = None
     # method-specific options: the [method] table as written, and the method's options object
     # parsed from it (`MethodSpec.options`, validated from the method's declaration)
     method_options: tuple[tuple[str, Any], ...] = ()
@@ -230,7 +232,9 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
     )
     mi = _Section(raw, "missing", {"train", "test"})
     p = _Section(
-        raw, "privacy", {"label_dp", "delta", "accountant", "record_received", "max_epsilon"}
+        raw,
+        "privacy",
+        {"label_dp", "delta", "accountant", "record_received", "max_epsilon", "noise_seed"},
     )
 
     from securevfl.methods import method_names, method_spec  # declarations only, no torch
@@ -291,6 +295,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         delta=_delta(p.raw("delta")),
         accountant=p.choice("accountant", D.accountant, ("rdp", "prv")),
         record_received=p.boolean("record_received", D.record_received),
+        noise_seed=(None if p.raw("noise_seed") is None else p.integer("noise_seed", 0, minimum=0)),
         method_options=tuple(sorted(method_table.items())),
         options=method_spec(method).parse_options(method_table),
         source=source,

@@ -6,10 +6,14 @@ added to clipped values. The registry `MECHANISMS` maps the name written in the 
 class, so the ledger and the audit know, per name, whether subsampling amplification may be
 claimed (`Mechanism.amplified`).
 
-Noise comes from ``torch.randn`` with the generator you pass; without one, each mechanism makes
-its own ``torch.Generator`` seeded from the OS entropy pool (`secrets`), so noise is not
-reproducible from a global seed. torch's generators are not cryptographic generators, and
-floating-point attacks on the Gaussian sampler (Mironov 2012) are out of scope.
+Noise of the releases to other parties (label DP, embedding DP) is drawn in float64 from a
+`NoiseSource`: NumPy's PCG64DXSM seeded with 256 bits from the operating system's CSPRNG, fresh
+per source, never from torch's default Mersenne Twister in float32. The clipped value plus
+noise is computed in float64 and snapped to a grid of 2^-12 noise standard deviations before it
+is cast back, so the low-order bits of a release do not depend on the exact value (the
+floating-point attack on naive samplers, Mironov 2012). ``NoiseSource(seed=...)`` is a
+reproducible mode for tests: it is not private, and a role using it says so in the ledger.
+DP-SGD's noise is Opacus's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from abc import ABC
 from collections.abc import Mapping
 from typing import ClassVar, TypeVar, overload
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +33,7 @@ from securevfl.privacy.dpsgd import make_private_model
 __all__ = [
     "MECHANISMS",
     "DPSGD",
+    "NoiseSource",
     "EmbeddingDP",
     "LabelGradientDP",
     "Mechanism",
@@ -81,10 +87,21 @@ def _positive_finite(value: float, parameter: str) -> float:
     return v
 
 
-def _os_seeded_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(secrets.randbits(63))
-    return gen
+# releases are snapped to a grid of noise_std * 2^-SNAP_BITS (a power of two)
+SNAP_BITS = 12
+
+
+class NoiseSource:
+    """Gaussian noise for releases, float64. Seeded from the OS CSPRNG (256 bits) unless a
+    `seed` is given, which makes it reproducible and not private (`private` is False)."""
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        self.private = seed is None
+        entropy = secrets.randbits(256) if seed is None else int(seed)
+        self._rng = np.random.Generator(np.random.PCG64DXSM(entropy))
+
+    def normal(self, shape: tuple[int, ...], std: float) -> np.ndarray:
+        return self._rng.normal(0.0, std, size=shape)
 
 
 class Mechanism(ABC):
@@ -135,15 +152,25 @@ class ReleaseMechanism(Mechanism):
 
     amplified: ClassVar[bool] = False
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
+    @property
+    def noise_source(self) -> NoiseSource:
         if self.generator is None:
-            self.generator = _os_seeded_generator(device)
+            self.generator = NoiseSource()
+        if not isinstance(self.generator, NoiseSource):
+            raise TypeError(
+                f"{self.name} draws its noise from a NoiseSource (float64, CSPRNG-seeded), "
+                f"not a {type(self.generator).__name__}"
+            )
         return self.generator
 
-    def _noise(self, like: torch.Tensor) -> torch.Tensor:
-        gen = self._generator_for(like.device)
-        noise = torch.randn(like.shape, generator=gen, device=gen.device, dtype=like.dtype)
-        return noise.to(like.device) * self.noise_std
+    def _release(self, clipped: torch.Tensor) -> torch.Tensor:
+        """clipped + N(0, (sigma C)^2) in float64, snapped to the grid, in the input dtype."""
+        noise = torch.from_numpy(self.noise_source.normal(tuple(clipped.shape), self.noise_std))
+        grid = 2.0 ** (math.floor(math.log2(self.noise_std)) - SNAP_BITS)
+        noisy = clipped.double() + noise.to(clipped.device)
+        # snap (straight-through for autograd: the rounding is part of the noise)
+        snapped = noisy + (torch.round(noisy.detach() / grid) * grid - noisy.detach())
+        return snapped.to(clipped.dtype)
 
     def _clip_rows_and_noise(self, tensors: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         if not tensors:
@@ -177,7 +204,7 @@ class ReleaseMechanism(Mechanism):
         out = []
         for _, t in tensors:
             f = factor.to(t.dtype).reshape((rows,) + (1,) * (t.dim() - 1))
-            out.append(t * f + self._noise(t))
+            out.append(self._release(t * f))
         return out
 
     @overload

@@ -89,6 +89,13 @@ class RolePlan:
         return tuple(m for m in (self.label_dp, self.embedding_dp, self.dp_sgd) if m is not None)
 
 
+def hash_seed(*parts: object) -> int:
+    """A 128-bit seed from the config's noise_seed and names (each role and mechanism its own)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:16], "little")
+
+
 def resolve_delta(cfg: RunConfig, *, n_train: int) -> float:
     """``[privacy] delta``, or the default for ``n_train`` rows (`default_delta`).
 
@@ -167,7 +174,12 @@ def plan_role(cfg: RunConfig, *, role: str, n_train: int) -> RolePlan:
         )
         if was_calibrated:
             calibrated.append((name, sigma))
-        built[name] = cls(noise_multiplier=sigma, clip=dp.clip)
+        generator = None
+        if cfg.noise_seed is not None and name != "dp_sgd":  # tests only: not private
+            from securevfl.privacy.mechanisms import NoiseSource
+
+            generator = NoiseSource(seed=hash_seed(cfg.noise_seed, role, name))
+        built[name] = cls(noise_multiplier=sigma, clip=dp.clip, generator=generator)
         if max_epsilon is not None:
             _check_one_step(
                 role,
@@ -252,6 +264,17 @@ class RolePrivacy:
             for e in ledger.events
             if isinstance(e, dict) and e["kind"] == "unprotected"
         }
+        seeded = [
+            m.name
+            for m in plan.mechanisms
+            if m.name != "dp_sgd" and m.generator is not None and not m.generator.private
+        ]
+        if seeded:
+            self.record_unprotected_once(
+                what=f"{', '.join(seeded)} noise",
+                reason="[privacy] noise_seed: the noise is reproducible from the config, so it "
+                "protects nothing against whoever has the config (for tests only)",
+            )
         for name, sigma in plan.calibrated:
             logger.info(
                 "%s: %s noise multiplier %.4g calibrated from its target epsilon",

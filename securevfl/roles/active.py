@@ -119,7 +119,7 @@ def run_active(
         )
         stats_env = conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
         roles = dict(stats_env.meta.get("stats", {}))
-        roles[cfg.active_name] = conn.stats()
+        roles[cfg.active_name] = {**conn.stats(), "auth_seconds": round(ctx.auth_seconds, 6)}
         metrics = {
             "method": cfg.method,
             "aggregation": cfg.aggregation,

@@ -27,10 +27,10 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from crypto import MaskingKeyPair, pair_key
@@ -49,31 +49,35 @@ AUTH_INFO = b"securevfl/call-auth/v1"
 def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, tuple):
-        return list(value)
     raise TypeError(f"not plain data: {type(value).__name__}")
 
 
-def _digest(array: np.ndarray) -> str:
+def _digest(array: np.ndarray) -> bytes:
     a = np.ascontiguousarray(array)
     h = hashlib.sha256(f"{a.dtype.str}|{a.shape}|".encode())
     h.update(a.data)
-    return h.hexdigest()
+    return h.digest()
 
 
 def call_digest(
     env_meta: Mapping[str, Any], *, session: str, round: int, tensors: Mapping
 ) -> bytes:
-    """The canonical bytes of a call: its meta (auth tags left out), session, round, and the
-    digests of its tensors (ids included)."""
+    """The bytes a call's tags cover: its meta (auth tags left out; msgpack, whose encoding the
+    transport preserves key order for), session, round, and the digests of its tensors (ids
+    included)."""
     meta = {k: v for k, v in env_meta.items() if k != "auth"}
-    body = {
-        "session": session,
-        "round": int(round),
-        "meta": meta,
-        "tensors": {name: _digest(v) for name, v in sorted(tensors.items())},
-    }
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+    parts = [
+        session.encode(),
+        int(round).to_bytes(8, "big", signed=True),
+        msgpack.packb(meta, default=_plain, use_bin_type=True),
+    ]
+    for name in sorted(tensors):
+        parts += [name.encode(), _digest(tensors[name])]
+    return b"\x00".join(length_prefixed(p) for p in parts)
+
+
+def length_prefixed(part: bytes) -> bytes:
+    return len(part).to_bytes(4, "big") + part
 
 
 def auth_key(
@@ -84,49 +88,65 @@ def auth_key(
     base = pair_key(
         my_private=keypair.private, peer_public=peer_public, session=session, me=me, peer=peer
     )
-    return hmac.new(base, AUTH_INFO, hashlib.sha256).digest()
+    return hmac.digest(base, AUTH_INFO, "sha256")
 
 
 def call_tag(key: bytes, digest: bytes) -> str:
-    return hmac.new(key, digest, hashlib.sha256).hexdigest()
+    return hmac.digest(key, digest, "sha256").hex()
 
 
 # ------------------------------------------------------------------------------------ families
 
 
 class FamilyGuard:
-    """Per tensor and model version, the groups each row's value has been summed over."""
+    """Per tensor and model version, the groups the rows' values have been summed over, as
+    blocks (rows of one call, its groups): a row's family is the groups of every block that
+    holds it."""
 
     def __init__(self, *, min_group: int) -> None:
         self.min_group = min_group
-        self._family_of: dict[str, dict[int, tuple[frozenset[str], ...]]] = {}
+        self._blocks: dict[str, list[tuple[np.ndarray, tuple[frozenset[str], ...]]]] = {}
 
     def new_version(self) -> None:
-        self._family_of.clear()
+        self._blocks.clear()
 
     def admit(self, tensor: str, ids: np.ndarray, groups: Iterable[frozenset[str]]) -> str | None:
         """Add `groups` to the family of every row of `ids` for `tensor`; returns a reason
         (and records nothing) if some row's family would isolate fewer than min_group
         parties."""
+        ids = np.asarray(ids, dtype=np.int64)
         groups = tuple(dict.fromkeys(groups))
-        known = self._family_of.setdefault(tensor, {})
-        new: dict[tuple[frozenset[str], ...], tuple[frozenset[str], ...]] = {}
-        rows = np.asarray(ids).tolist()
-        for row in rows:
-            old = known.get(row, ())
-            if old in new:
+        blocks = self._blocks.setdefault(tensor, [])
+        if not blocks:  # the usual case (a forward after an update): one family for every row
+            found = isolating_set(groups, self.min_group)
+            if found is not None:
+                sums = " ".join("{" + ",".join(sorted(g)) + "}" for g in groups)
+                return (
+                    f"row {int(ids[0])}: the sums {sums} of tensor {tensor!r} combine into the "
+                    f"contribution of {list(found)} alone"
+                )
+            blocks.append((ids, groups))
+            return None
+        families: list[tuple[frozenset[str], ...]] = [()]
+        which = np.zeros(len(ids), dtype=np.int64)  # each row's index into `families`
+        for rows, family in blocks:
+            hit = np.isin(ids, rows)
+            if not hit.any():
                 continue
-            family = tuple(dict.fromkeys(old + groups))
+            for old in np.unique(which[hit]).tolist():
+                families.append(tuple(dict.fromkeys(families[old] + family)))
+                which[hit & (which == old)] = len(families) - 1
+        for index in np.unique(which).tolist():
+            family = tuple(dict.fromkeys(families[index] + groups))
             found = isolating_set(family, self.min_group)
             if found is not None:
+                row = int(ids[np.argmax(which == index)])
                 sums = " ".join("{" + ",".join(sorted(g)) + "}" for g in family)
                 return (
                     f"row {row}: the sums {sums} of tensor {tensor!r} (one model version) "
                     f"combine into the contribution of {list(found)} alone"
                 )
-            new[old] = family
-        for row in rows:
-            known[row] = new[known.get(row, ())]
+        blocks.append((np.unique(ids), groups))
         return None
 
 
@@ -162,6 +182,7 @@ class CallGuard:
         secure = cfg.aggregation != "plain"
         self.families = FamilyGuard(min_group=self.policy.min_group) if secure else None
         self.fresh_noise = cfg.party(name).embedding_dp is not None
+        self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
     def refuse(self, rule: str, detail: str) -> PolicyRefusal:
         return PolicyRefusal(self.name, rule, detail)

@@ -65,7 +65,7 @@ class PassiveParty:
             if env.kind == P.BYE:
                 if rounds.received is not None:
                     rounds.received.save()
-                stats = self.conn.stats()
+                stats = {**self.conn.stats(), "guard_seconds": round(rounds.guard.seconds, 6)}
                 self.conn.send(
                     Envelope(
                         kind=P.STATS,

@@ -169,12 +169,18 @@ class PartyRound:
     def answer(self, env: Envelope) -> Envelope:
         """The contribution envelope answering call `env`. Raises `PolicyRefusal` (nothing
         computed, nothing released) for a call the guard refuses."""
-        self.guard.authenticate(env.meta, session=env.session, round=env.round, tensors=env.tensors)
+        started = time.perf_counter()
         try:
-            call = parse_call(env)
-        except ValueError as exc:
-            raise self.guard.refuse("malformed call", str(exc)) from None
-        self.guard.check(call)
+            self.guard.authenticate(
+                env.meta, session=env.session, round=env.round, tensors=env.tensors
+            )
+            try:
+                call = parse_call(env)
+            except ValueError as exc:
+                raise self.guard.refuse("malformed call", str(exc)) from None
+            self.guard.check(call)
+        finally:
+            self.guard.seconds += time.perf_counter() - started
         shapes: dict[str, list[int]] = {}
         if call.op == P.OP_SETUP:
             tensors = self._setup(call)
@@ -536,6 +542,7 @@ class ActiveRound:
             if mask_keypair is not None
             else {}
         )
+        self.auth_seconds = 0.0  # time spent tagging calls (reported in metrics.json)
         self.lost: list[str] = []
         self.epoch_seconds: list[float] = []
         self.history: list[dict[str, float]] = []
@@ -582,6 +589,7 @@ class ActiveRound:
             collect=tuple(collect),
         )
         env = call.envelope(sender=self.config.active_name)
+        started = time.perf_counter()
         env.meta["auth"] = call_tags(
             env.meta,
             session=self.session,
@@ -589,6 +597,7 @@ class ActiveRound:
             tensors=env.tensors,
             keys={p: self._auth_keys[p] for p in call.to if p in self._auth_keys},
         )
+        self.auth_seconds += time.perf_counter() - started
         result = self.exchange(env)
         if result.meta.get("refused"):
             refused = result.meta["refused"]

@@ -384,6 +384,14 @@ def test_every_refusal_is_in_the_parties_logs_and_the_ledger(attacker):
     log = (attacker.run_dir / "logs" / "p1.log").read_text()
     assert "refused round" in log and "differencing" in log and "authentication" in log
     assert not [e for e in events if e["kind"] == "unprotected"], "nothing left in the clear"
+    from securevfl.privacy.audit import audit, format_report
+
+    report = audit(attacker.run_dir / "ledger.jsonl")
+    assert {("p1", "differencing"), ("p2", "authentication")} <= {
+        (r["role"], r["rule"]) for r in report.refusals
+    }
+    text = format_report(report)
+    assert "Calls refused by a party's release policy" in text and "differencing" in text
 
 
 def test_a_party_stops_on_a_refusal_by_default(tmp_path):
@@ -408,3 +416,35 @@ def test_a_party_stops_on_a_refusal_by_default(tmp_path):
             assert "authentication" in a.procs[p].stderr.read()
     finally:
         a.close()
+
+
+def test_a_forged_loss_notice_makes_the_honest_active_party_isolate_nobody(tmp_path):
+    """A modified aggregator tells the (honest) active party that p1 was lost after every party,
+    p1 included, answered a training forward: it holds the sums of those rows over the full
+    group. LASER-VFL must not sum those rows again over the survivors before they update (the
+    difference would be p1's representation): it quarantines them, and the run ends without a
+    single refusal from the parties' guards (which run in this path too)."""
+    from securevfl.direct import DirectFederation
+    from tests.securevfl.test_laser import block_config
+
+    cfg = block_config(tmp_path, aggregation="mask", p_train=0.2, epochs=2, n=300)
+
+    class ForgingAggregator(DirectFederation):
+        forged_at = None
+
+        def _exchange(self, env):
+            result = super()._exchange(env)
+            if env.meta.get("op") == "forward" and self.forged_at is None and env.round > 5:
+                to = env.meta["to"]
+                if "p1" in to and len(to) > 2:
+                    self.forged_at = env.round
+                    call = self.aggregator.open(env)
+                    return self.aggregator.lost(call, ["p1"], delivered=True)
+            return result
+
+    fed = ForgingAggregator(cfg, run_dir=tmp_path / "run")
+    metrics = fed.run()  # a PolicyRefusal from any party would raise here
+    assert fed.forged_at is not None and fed.method.dead == ["p1"]
+    later = [c for c in fed.calls if c[0] == "forward" and "p1" in c[1]]
+    assert all(i <= fed.forged_at for i, c in enumerate(fed.calls, 1) if c in later)
+    assert metrics["n_eval"] > 0

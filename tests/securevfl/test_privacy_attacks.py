@@ -16,7 +16,7 @@ from securevfl.privacy.attacks import (
 )
 from securevfl.privacy.audit import audit, format_report
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
-from securevfl.privacy.mechanisms import LabelGradientDP
+from securevfl.privacy.mechanisms import LabelGradientDP, NoiseSource
 
 
 def split_nn_gradients(n: int = 4000, width: int = 8, positive_rate: float = 0.1, seed: int = 0):
@@ -67,7 +67,7 @@ def test_label_dp_drives_measured_leakage_towards_chance():
     mech = LabelGradientDP(
         noise_multiplier=8.0,
         clip=float(np.median(norm_scores(grads))),
-        generator=torch.Generator().manual_seed(0),
+        generator=NoiseSource(seed=0),
     )
     noised = mech.apply(torch.from_numpy(grads)).numpy()
     private = measure_label_leakage(grads=noised, labels=y)

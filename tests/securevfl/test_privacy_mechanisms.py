@@ -10,12 +10,13 @@ from securevfl.privacy.mechanisms import (
     MECHANISMS,
     EmbeddingDP,
     LabelGradientDP,
+    NoiseSource,
     create_mechanism,
 )
 
 
-def seeded(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def seeded(seed: int = 0) -> NoiseSource:
+    return NoiseSource(seed=seed)  # reproducible, not private: tests only
 
 
 def test_registry_names_the_three_mechanisms_and_their_amplification():
@@ -155,3 +156,43 @@ def test_an_empty_batch_releases_nothing_and_huge_rows_clip_exactly():
     assert out["a"].shape == (0, 3) and out["b"].shape == (0, 2, 2)
     big = torch.full((2, 4), 1e30)  # its squared norm overflows float32
     assert mech.apply(big).norm(dim=1).tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
+
+
+def test_release_noise_is_float64_from_a_csprng_seeded_source_and_snapped():
+    """Label and embedding DP draw float64 noise from a source seeded by the OS CSPRNG (fresh
+    per source), never torch's default generator; the release is snapped to a grid of
+    2^-12 noise standard deviations, so its low bits do not depend on the exact value."""
+    import math
+
+    from securevfl.privacy.mechanisms import SNAP_BITS
+
+    a = LabelGradientDP(noise_multiplier=1.0, clip=1.0)
+    b = LabelGradientDP(noise_multiplier=1.0, clip=1.0)
+    assert a.noise_source.private and b.noise_source.private
+    x = torch.zeros(64, 8, dtype=torch.float64)
+    ra, rb = a.apply(x), b.apply(x)
+    assert not torch.equal(ra, rb)  # independent sources
+    grid = 2.0 ** (math.floor(math.log2(a.noise_std)) - SNAP_BITS)
+    assert torch.equal(torch.round(ra / grid) * grid, ra)
+    assert ra.std().item() == pytest.approx(1.0, rel=0.2)
+    with pytest.raises(TypeError, match="NoiseSource"):
+        LabelGradientDP(noise_multiplier=1.0, clip=1.0, generator=torch.Generator()).apply(x)
+    seeded_a = LabelGradientDP(noise_multiplier=1.0, clip=1.0, generator=NoiseSource(seed=3))
+    seeded_b = LabelGradientDP(noise_multiplier=1.0, clip=1.0, generator=NoiseSource(seed=3))
+    assert torch.equal(seeded_a.apply(x), seeded_b.apply(x))
+    assert not seeded_a.noise_source.private
+
+
+def test_a_seeded_noise_config_is_marked_not_private_in_the_ledger(tmp_path):
+    from securevfl.config import parse_config
+    from securevfl.privacy.ledger import PrivacyLedger
+    from securevfl.privacy.runtime import RolePrivacy, plan_role
+    from tests.securevfl.conftest import BASE_RAW, permissive_policy
+
+    raw = permissive_policy(dict(BASE_RAW))
+    raw["privacy"] = {"label_dp": {"noise_multiplier": 1.0, "clip": 1.0}, "noise_seed": 7}
+    cfg = parse_config(raw, source=tmp_path / "c.toml")
+    ledger = PrivacyLedger(tmp_path / "ledger.jsonl")
+    RolePrivacy(plan=plan_role(cfg, role="active", n_train=1000), ledger=ledger)
+    marks = [e for e in ledger.events if isinstance(e, dict) and "noise_seed" in e["reason"]]
+    assert marks and marks[0]["what"] == "label_dp noise"
