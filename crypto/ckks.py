@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -378,6 +379,18 @@ def error_bound(params: CkksParams, *, terms: int = 1) -> float:
     return 6.0 * slot_std * math.sqrt(max(int(terms), 1))
 
 
+def csprng_normal(shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal float64 values from the operating system's CSPRNG (os.urandom: 53-bit
+    uniforms, Box-Muller)."""
+    n = math.prod(shape)
+    bits = np.frombuffer(os.urandom(16 * ((n + 1) // 2)), dtype=np.uint64) >> np.uint64(11)
+    u = (bits.astype(np.float64) + 0.5) / 2.0**53  # in (0, 1)
+    u1, u2 = u[0::2], u[1::2]
+    radius = np.sqrt(-2.0 * np.log(u1))
+    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])
+    return z[:n].reshape(shape)
+
+
 @dataclass(frozen=True)
 class DecryptionRelease:
     """How decrypted values are released by the key holder: flooded with Gaussian noise of
@@ -397,19 +410,9 @@ class DecryptionRelease:
     def flood_std(self, params: CkksParams, *, terms: int) -> float:
         return 2.0**self.flood_bits * error_bound(params, terms=terms)
 
-    def apply(
-        self,
-        values: np.ndarray,
-        params: CkksParams,
-        *,
-        terms: int,
-        rng: np.random.Generator | None = None,
-    ) -> np.ndarray:
-        if rng is None:
-            import secrets
-
-            rng = np.random.default_rng(secrets.randbits(128))
-        noisy = values + rng.normal(0.0, self.flood_std(params, terms=terms), size=values.shape)
+    def apply(self, values: np.ndarray, params: CkksParams, *, terms: int) -> np.ndarray:
+        std = self.flood_std(params, terms=terms)
+        noisy = values + std * csprng_normal(values.shape)
         grid = 2.0**self.precision_bits
         return np.round(noisy * grid) / grid
 

@@ -194,7 +194,7 @@ def _check_privacy(cfg: RunConfig) -> None:
     ]
     if all(x is None for x in dp):
         return
-    from securevfl.data.table import DataError, read_csv_columns, train_test_split
+    from securevfl.data.table import DataError, read_csv_columns, stratified, train_test_split
     from securevfl.privacy.runtime import check_federation
 
     try:
@@ -208,7 +208,7 @@ def _check_privacy(cfg: RunConfig) -> None:
         test_fraction=cfg.test_fraction,
         seed=cfg.seed,
         labels=labels,
-        stratify=cfg.task != "regression",
+        stratify=stratified(cfg),
     )
     check_federation(cfg, n_train=len(train))
 

@@ -123,6 +123,10 @@ class RunConfig:
     # [missing]
     missing_train: MissingSpec = field(default_factory=MissingSpec)
     missing_test: MissingSpec = field(default_factory=MissingSpec)
+    # a labeled budget (FALSE-VFL's setting): only `labeled` training rows keep their label,
+    # `aligned` of them held by every party; None: every training row is labeled
+    labeled: int | None = None
+    aligned: int = 0
     # [privacy]
     label_dp: DPConfig | None = None
     head_dp_sgd: DPConfig | None = None
@@ -230,7 +234,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "aggregator_in_active",
         },
     )
-    mi = _Section(raw, "missing", {"train", "test"})
+    mi = _Section(raw, "missing", {"train", "test", "labeled", "aligned"})
     p = _Section(
         raw,
         "privacy",
@@ -289,6 +293,8 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         aggregator_in_active=n.boolean("aggregator_in_active", D.aggregator_in_active),
         missing_train=_missing(mi.raw("train"), "[missing] train"),
         missing_test=_missing(mi.raw("test"), "[missing] test"),
+        labeled=None if mi.raw("labeled") is None else mi.integer("labeled", 0, minimum=1),
+        aligned=mi.integer("aligned", 0, minimum=0),
         label_dp=_dp(p.raw("label_dp"), "[privacy] label_dp"),
         head_dp_sgd=_dp(a.raw("dp_sgd"), "[active] dp_sgd"),
         active_max_epsilon=_positive_or_none(a.raw("max_epsilon"), "[active] max_epsilon"),
@@ -333,6 +339,15 @@ def validate(cfg: RunConfig) -> None:
                     f"{col!r} is the id or label column and cannot be a feature",
                 )
             owners[col] = owner
+    if cfg.aligned and cfg.labeled is None:
+        raise ConfigError(
+            "[missing] aligned", "needs [missing] labeled (the aligned rows are labeled)"
+        )
+    if cfg.labeled is not None and cfg.aligned > cfg.labeled:
+        raise ConfigError(
+            "[missing] aligned",
+            f"{cfg.aligned} aligned rows cannot be more than the {cfg.labeled} labeled ones",
+        )
     for party in cfg.parties:
         if not party.columns:
             raise ConfigError(f"[parties.{party.name}] columns", "a passive party needs columns")

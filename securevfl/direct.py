@@ -23,6 +23,7 @@ from securevfl.data.table import (
     load_active_table,
     load_party_table,
     split_federation,
+    stratified,
     train_test_split,
 )
 from securevfl.errors import ConfigError
@@ -110,7 +111,7 @@ class DirectFederation(ActiveRound):
             test_fraction=cfg.test_fraction,
             seed=cfg.seed,
             labels=self.active_table.labels,
-            stratify=cfg.task != "regression",
+            stratify=stratified(cfg),
         )
         self.start(train_ids=self.train_ids, ledger=ledger)
         self.setup(train_ids=self.train_ids)

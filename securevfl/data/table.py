@@ -78,9 +78,18 @@ class ActiveTable(PartyTable):
     def label_rows(self, ids: np.ndarray) -> np.ndarray:
         return self.labels[self.positions(ids)]
 
+    def labeled(self, ids: np.ndarray) -> np.ndarray:
+        """Which of `ids` carry a label (a labeled budget leaves the others empty)."""
+        return ~np.isnan(self.label_rows(ids))
+
 
 def read_csv_columns(
-    path: Path, *, id_column: str, columns: Sequence[str], label: str | None = None
+    path: Path,
+    *,
+    id_column: str,
+    columns: Sequence[str],
+    label: str | None = None,
+    empty_labels: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Read the id column, `columns` (float, empty cell -> NaN) and optionally the label.
 
@@ -115,8 +124,11 @@ def read_csv_columns(
             values.append([_cell(row[c], path, line_no, header[c]) for c in cols])
             if label is not None:
                 y = _cell(row[index[label]], path, line_no, label)
-                if math.isnan(y):
-                    raise DataError(f"{path}:{line_no}: the label {label!r} is empty")
+                if math.isnan(y) and not empty_labels:
+                    raise DataError(
+                        f"{path}:{line_no}: the label {label!r} is empty (set [missing] "
+                        "labeled if some training rows are unlabeled on purpose)"
+                    )
                 labels.append(y)
     vals = np.asarray(values, dtype=np.float64).reshape(len(ids), len(columns))
     return (
@@ -194,7 +206,7 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
         test_fraction=cfg.test_fraction,
         seed=cfg.seed,
         labels=labels,
-        stratify=cfg.task != "regression",
+        stratify=stratified(cfg),
     )
     is_test = np.isin(ids, test_ids)
     for split, spec, rows in (
@@ -210,6 +222,7 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
             split=split,
             features=sub,
         )
+    labels = _labeled_budget(cfg, blocks, labels, present, is_test)
     keep = present.any(axis=1)
     out: dict[str, Path] = {}
     for role, block in blocks.items():
@@ -235,6 +248,44 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
     return out
 
 
+def stratified(cfg: RunConfig) -> bool:
+    """Whether the train/test split is stratified by label: for classification, unless a
+    labeled budget empties labels (the active party must redo the split from its file)."""
+    return cfg.task != "regression" and cfg.labeled is None
+
+
+def _labeled_budget(
+    cfg: RunConfig,
+    blocks: dict[str, np.ndarray],
+    labels: np.ndarray,
+    present: np.ndarray,
+    is_test: np.ndarray,
+) -> np.ndarray:
+    """With `[missing] labeled`: keep the label of `labeled` training rows only (test rows keep
+    theirs), of which `aligned` are drawn among rows every party holds in the source and made
+    fully present (`present` is updated in place). Returns the labels to write."""
+    if cfg.labeled is None:
+        return labels
+    from securevfl.data.missing import force_aligned, labeled_rows
+
+    train = ~is_test
+    complete = np.stack([~np.all(np.isnan(blocks[p]), axis=1) for p in cfg.party_names], 1)
+    try:
+        lab, ali = labeled_rows(
+            int(train.sum()),
+            n_labeled=cfg.labeled,
+            n_aligned=cfg.aligned,
+            rng=np.random.default_rng([cfg.seed, 0x1ABE1]),
+            complete=complete[train].all(axis=1),
+        )
+    except ValueError as exc:
+        raise ConfigError("[missing] labeled", str(exc)) from None
+    present[train] = force_aligned(present[train], ali)
+    out = labels.copy()
+    out[np.flatnonzero(train)[~lab]] = np.nan
+    return out
+
+
 def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
     """A passive party's own file. A row whose cells are all empty is a row the party lacks."""
     cols = cfg.party(role).columns
@@ -245,7 +296,11 @@ def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
 
 def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:
     ids, values, labels = read_csv_columns(
-        path, id_column=cfg.id_column, columns=cfg.active_columns, label=cfg.label
+        path,
+        id_column=cfg.id_column,
+        columns=cfg.active_columns,
+        label=cfg.label,
+        empty_labels=cfg.labeled is not None,
     )
     return ActiveTable(ids=ids, columns=cfg.active_columns, values=values, labels=labels)
 

@@ -293,6 +293,9 @@ class MethodSpec:
     secure_defaults: tuple[tuple[str, float], ...] = ()
     dp_sgd: tuple[str, ...] = ()
     tolerates_dropout: bool = False
+    # trains on training rows without a label too (with [missing] labeled; otherwise the
+    # active party leaves them out of `fit`)
+    uses_unlabeled: bool = False
     # a small federation to run the method on (`securevfl.methods.examples`): writes its data
     # into a folder and returns the raw config; the shared conformance suite runs it
     example: Callable[[Path], dict[str, Any]] | None = None

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from securevfl.config import RunConfig
-from securevfl.data.table import ActiveTable, train_test_split
+from securevfl.data.table import ActiveTable, stratified, train_test_split
 from securevfl.methods import method_spec
 from securevfl.privacy.audit import audit
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
@@ -55,7 +55,7 @@ def run_active(
         test_fraction=cfg.test_fraction,
         seed=cfg.seed,
         labels=table.labels,
-        stratify=cfg.task != "regression",
+        stratify=stratified(cfg),
     )
     start_epoch = 0
     saved: dict[str, Any] | None = None

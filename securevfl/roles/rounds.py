@@ -800,6 +800,9 @@ def train_and_evaluate(
             "%d rows are held by no passive party and are dropped", int((~anyone).sum())
         )
         train_ids, test_ids = ctx.held_rows(train_ids), ctx.held_rows(test_ids)
+    table = ctx.method.table
+    if not method_spec(ctx.config.method).uses_unlabeled:  # a labeled budget: labeled rows only
+        train_ids = train_ids[table.labeled(train_ids)]
     ctx._epoch_started = time.perf_counter()
     ctx.method.fit(ctx, train_ids=train_ids)
     test = ctx.method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}

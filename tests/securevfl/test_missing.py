@@ -138,3 +138,32 @@ def test_bad_missingness_is_refused_naming_the_key(tmp_path, missing, key):
     with pytest.raises(ConfigError) as info:
         _raw(tmp_path, missing)
     assert info.value.key.startswith(key)
+
+
+def test_a_labeled_budget_keeps_labels_of_that_many_training_rows_and_aligns_some(tmp_path):
+    """[missing] labeled / aligned: only `labeled` training rows keep their label, `aligned` of
+    them are held by every party whatever the training mechanism drops; test rows keep theirs,
+    and a method that does not use unlabeled rows trains on the labeled ones only."""
+    from securevfl.data.table import load_active_table, load_party_table
+    from securevfl.direct import DirectFederation
+
+    cfg = _raw(
+        tmp_path,
+        {"train": {"kind": "mcar", "p": 0.5}, "labeled": 120, "aligned": 40},
+    )
+    paths = split_federation(cfg, tmp_path / "run")
+    active = load_active_table(paths["active"], cfg)
+    train, test = train_test_split(active.ids, test_fraction=0.25, seed=0)
+    assert active.labeled(test).all()
+    assert int(active.labeled(train).sum()) == 120
+    held = np.stack([load_party_table(paths[p], cfg, p).has(train) for p in PARTIES], axis=1)
+    full = held.all(axis=1)
+    # at least the 40 aligned rows are complete, among the labeled ones (0.5^4 = 6% by chance)
+    assert int((full & active.labeled(train)).sum()) >= 40
+    assert full[~active.labeled(train)].mean() < 0.15
+    fed = DirectFederation(cfg, run_dir=tmp_path / "fed")
+    assert len(fed.train_ids) > 120  # the parties learn every training row
+    from securevfl.roles.rounds import train_and_evaluate
+
+    used, _, _ = train_and_evaluate(fed, train_ids=fed.train_ids, test_ids=fed.test_ids[:50])
+    assert len(used) <= 120 and active.labeled(used).all()

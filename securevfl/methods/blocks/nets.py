@@ -104,7 +104,7 @@ def class_count(task: str, labels: np.ndarray) -> int:
     """Number of classes; refuses labels that are not 0..C-1 integers for classification."""
     if task == "regression":
         return 1
-    values = np.unique(labels)
+    values = np.unique(labels[~np.isnan(labels)])  # unlabeled rows (a labeled budget) left out
     if not np.all(values == np.round(values)) or values.min() < 0:
         raise ValueError(
             f"classification labels must be integers 0..C-1, got values {values[:10].tolist()}"
