@@ -47,6 +47,8 @@ class PartyConfig:
     dp_sgd: DPConfig | None = None
     max_epsilon: float | None = None
     policy: ReleasePolicy = field(default_factory=ReleasePolicy)
+    # column -> numeric|boolean|categorical; columns not named are inferred from the data
+    types: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,13 @@ class RunConfig:
     task: str = "binary"
     test_fraction: float = 0.2
     standardize: bool = True
+    na_tokens: tuple[str, ...] = ("", "NA", "N/A", "NaN", "nan", "null", "NULL", "?")
+    delimiter: str | None = None  # None: sniffed from the header line
+    positive: str | None = None  # binary task: the label value that is class 1
     # [active], [parties.*]
     active_name: str = "active"
     active_columns: tuple[str, ...] = ()
+    active_types: tuple[tuple[str, str], ...] = ()  # column -> numeric|boolean|categorical
     parties: tuple[PartyConfig, ...] = ()
     # [train]
     epochs: int = 10
@@ -215,8 +221,22 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             )
     base = source.parent if source is not None else Path.cwd()
     r = _Section(raw, "run", {"method", "aggregation", "seed", "device", "min_group", "transport"})
-    d = _Section(raw, "data", {"path", "id", "label", "task", "test_fraction", "standardize"})
-    a = _Section(raw, "active", {"name", "columns", "dp_sgd", "max_epsilon"})
+    d = _Section(
+        raw,
+        "data",
+        {
+            "path",
+            "id",
+            "label",
+            "task",
+            "test_fraction",
+            "standardize",
+            "na",
+            "delimiter",
+            "positive",
+        },
+    )
+    a = _Section(raw, "active", {"name", "columns", "dp_sgd", "max_epsilon", "types"})
     t = _Section(raw, "train", {"epochs", "batch_size", "lr", "optimizer", "weight_decay"})
     m = _Section(raw, "model", {"hidden", "width", "head_hidden"})
     s = _Section(raw, "secure", {"frac_bits", "bound", "ckks"})
@@ -262,8 +282,12 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         task=d.choice("task", D.task, TASKS),
         test_fraction=d.number("test_fraction", D.test_fraction, minimum=0.0, maximum=0.9),
         standardize=d.boolean("standardize", D.standardize),
+        na_tokens=_na(d.raw("na")),
+        delimiter=_delimiter(d.raw("delimiter")),
+        positive=d.string("positive", None),
         active_name=_role_name(a.string("name", D.active_name), "[active] name"),
         active_columns=a.string_list("columns", []),
+        active_types=_types(a.raw("types"), "[active] types"),
         parties=_parties(raw.get("parties"), _policy_table(raw.get("policy"), "[policy]")),
         epochs=t.integer("epochs", D.epochs, minimum=1),
         batch_size=t.integer("batch_size", D.batch_size, minimum=1),
@@ -578,7 +602,7 @@ def _parties(raw: Any, policy_defaults: Mapping[str, Any]) -> tuple[PartyConfig,
         _role_name(name, key)
         if not isinstance(table, Mapping):
             raise ConfigError(key, "must be a table with a `columns` list")
-        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon", "policy"}
+        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon", "policy", "types"}
         for k in table:
             if k not in known:
                 raise ConfigError(f"{key} {k}", f"unknown key; known keys are {sorted(known)}")
@@ -593,9 +617,42 @@ def _parties(raw: Any, policy_defaults: Mapping[str, Any]) -> tuple[PartyConfig,
                 dp_sgd=_dp(table.get("dp_sgd"), f"{key} dp_sgd"),
                 max_epsilon=_positive_or_none(table.get("max_epsilon"), f"{key} max_epsilon"),
                 policy=_policy({**policy_defaults, **own}, name),
+                types=_types(table.get("types"), f"{key} types"),
             )
         )
     return tuple(out)
+
+
+def _types(raw: Any, key: str) -> tuple[tuple[str, str], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(key, 'must be a table like { job = "categorical", age = "numeric" }')
+    kinds = ("numeric", "boolean", "categorical")
+    for col, kind in raw.items():
+        if kind not in kinds:
+            raise ConfigError(f"{key}.{col}", f"must be one of {', '.join(kinds)}, got {kind!r}")
+    return tuple(sorted(raw.items()))
+
+
+def _na(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return D.na_tokens
+    if not isinstance(raw, list) or not all(isinstance(t, str) for t in raw):
+        raise ConfigError(
+            "[data] na", f'must be a list of strings like ["", "NA", "?"], got {raw!r}'
+        )
+    return tuple(raw)
+
+
+def _delimiter(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or len(raw) != 1 or raw in '\r\n"':
+        raise ConfigError(
+            "[data] delimiter", f'must be one character such as "," or ";", got {raw!r}'
+        )
+    return raw
 
 
 _POLICY_KEYS = {

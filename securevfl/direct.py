@@ -61,6 +61,14 @@ class DirectFederation(ActiveRound):
             p: spec.party_class()(name=p, table=self.tables[p], config=cfg, device=device)
             for p in cfg.party_names
         }
+        train, _ = train_test_split(
+            self.active_table.ids,
+            test_fraction=cfg.test_fraction,
+            seed=cfg.seed,
+            labels=self.active_table.labels,
+            stratify=stratified(cfg),
+        )
+        self.active_table.prepare(train)
         method = spec.active_class()(table=self.active_table, config=cfg, device=device)
         session = os.urandom(16)
         roles = (cfg.active_name, *cfg.party_names)

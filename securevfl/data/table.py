@@ -16,24 +16,56 @@ from pathlib import Path
 import numpy as np
 
 from securevfl.config import ConfigError, RunConfig
+from securevfl.data.columns import (
+    ROW_NUMBER_ID,
+    ColumnEncoder,
+    LabelCodec,
+    RawTable,
+    infer_kind,
+    numeric,
+    read_table,
+)
 from securevfl.errors import DataError
 
 
 @dataclass
 class PartyTable:
-    """One role's feature block: rows keyed by integer sample id. NaN marks an empty cell."""
+    """One role's feature block: rows keyed by integer sample id. NaN marks an empty cell.
+
+    A table with non-numeric columns holds them as text (`raw`) with an unfitted
+    `ColumnEncoder`; `prepare(train_ids)` fits the encoding on the training rows it holds and
+    sets `values` and `columns` to the encoded (numeric) columns. Methods see only those."""
 
     ids: np.ndarray  # int64, sorted, unique
     columns: tuple[str, ...]
-    values: np.ndarray  # float64 [n_rows, n_columns]
+    values: np.ndarray | None  # float64 [n_rows, n_columns]; None until `prepare` (encoded)
+    raw: dict[str, np.ndarray] | None = None
+    encoder: ColumnEncoder | None = None
+    where: str = "table"
 
     def __post_init__(self) -> None:
         order = np.argsort(self.ids, kind="stable")
         self.ids = np.asarray(self.ids, dtype=np.int64)[order]
-        self.values = np.asarray(self.values, dtype=np.float64)[order]
+        if self.values is not None:
+            self.values = np.asarray(self.values, dtype=np.float64)[order]
+        if self.raw is not None:
+            self.raw = {c: v[order] for c, v in self.raw.items()}
         if len(np.unique(self.ids)) != len(self.ids):
             dup = self.ids[1:][self.ids[1:] == self.ids[:-1]][:5]
             raise DataError(f"sample ids must be unique; repeated ids: {dup.tolist()}")
+
+    def prepare(self, train_ids: np.ndarray) -> None:
+        """Fit the encoding of text columns on the training rows this table holds (once)."""
+        if self.encoder is None or self.values is not None:
+            return
+        train = np.asarray(train_ids, dtype=np.int64)
+        rows = self.positions(train[self.has(train)])
+        self.encoder.fit({c: v[rows] for c, v in self.raw.items()})
+        self.values = self.encoder.transform(self.raw, where=self.where)
+        self.columns = self.encoder.out_columns
+
+    def encoding_state(self) -> dict | None:
+        return None if self.encoder is None else self.encoder.state_dict()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -60,6 +92,8 @@ class PartyTable:
         return self.ids[pos] == ids
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
+        if self.values is None:
+            raise RuntimeError(f"{self.where}: the text columns are encoded at set-up (prepare)")
         return self.values[self.positions(ids)]
 
 
@@ -90,64 +124,25 @@ def read_csv_columns(
     columns: Sequence[str],
     label: str | None = None,
     empty_labels: bool = False,
+    task: str = "binary",
+    positive: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Read the id column, `columns` (float, empty cell -> NaN) and optionally the label.
-
-    Raises DataError naming the file and the first bad column or value."""
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; check [data] path")
-    with path.open(newline="") as fh:
-        reader = csv.reader(fh)
-        try:
-            header = next(reader)
-        except StopIteration:
-            raise DataError(f"{path} is empty") from None
-        index = {name: i for i, name in enumerate(header)}
-        wanted = [id_column, *columns] + ([label] if label is not None else [])
-        for name in wanted:
-            if name not in index:
-                raise DataError(f"{path} has no column {name!r}; its columns are {header[:30]}")
-        cols = [index[c] for c in columns]
-        ids: list[int] = []
-        values: list[list[float]] = []
-        labels: list[float] = []
-        for line_no, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            try:
-                ids.append(int(row[index[id_column]]))
-            except ValueError:
-                raise DataError(
-                    f"{path}:{line_no}: id {row[index[id_column]]!r} in column {id_column!r} "
-                    "is not an integer (sample ids must be integers)"
-                ) from None
-            values.append([_cell(row[c], path, line_no, header[c]) for c in cols])
-            if label is not None:
-                y = _cell(row[index[label]], path, line_no, label)
-                if math.isnan(y) and not empty_labels:
-                    raise DataError(
-                        f"{path}:{line_no}: the label {label!r} is empty (set [missing] "
-                        "labeled if some training rows are unlabeled on purpose)"
-                    )
-                labels.append(y)
-    vals = np.asarray(values, dtype=np.float64).reshape(len(ids), len(columns))
-    return (
-        np.asarray(ids, dtype=np.int64),
-        vals,
-        np.asarray(labels, dtype=np.float64) if label is not None else None,
-    )
-
-
-def _cell(text: str, path: Path, line_no: int, column: str) -> float:
-    text = text.strip()
-    if text == "" or text.lower() in ("na", "nan"):
-        return math.nan
-    try:
-        return float(text)
-    except ValueError:
-        raise DataError(
-            f"{path}:{line_no}: value {text!r} in column {column!r} is not a number"
-        ) from None
+    """Read the ids, numeric `columns` (empty cell -> NaN) and optionally the label (coded by
+    `LabelCodec`). Raises DataError naming the file and the first bad column or value."""
+    raw = read_table(Path(path), columns=columns, id_column=id_column, label=label)
+    values = _matrix([numeric(raw.cells[c], column=c, where=str(path)) for c in columns], raw)
+    labels = None
+    if label is not None:
+        labels = LabelCodec(task, positive=positive).encode(
+            raw.label, column=label, where=str(path)
+        )
+        if np.isnan(labels).any() and not empty_labels:
+            line = int(np.argmax(np.isnan(labels))) + 2
+            raise DataError(
+                f"{path}:{line}: the label {label!r} is empty (set [missing] labeled if some "
+                "training rows are unlabeled on purpose)"
+            )
+    return raw.ids, values, labels
 
 
 def write_csv(
@@ -171,44 +166,57 @@ def write_csv(
             w.writerow([int(row_id), *cells])
 
 
+# the id column of the per-role files when the source table has none ([data] id = "@row")
+ROW_ID_COLUMN = "@row"
+
+
 def role_data_path(run_dir: Path, role: str) -> Path:
     return run_dir / "data" / f"{role}.csv"
 
 
 def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
-    """Split the config's table into one CSV per role inside `run_dir/data/`.
+    """Split the config's table into one CSV per role inside `run_dir/data/`, cells as written
+    (text columns stay text: each role encodes its own).
 
     A passive party's file has no line for the rows it lacks: rows whose cells of its columns are
-    all empty in the source table, or rows the configured missingness generator ([missing])
+    all empty (NA) in the source table, or rows the configured missingness generator ([missing])
     removes. Rows that no passive party holds are dropped from every file. Returns role -> file.
     Raises ConfigError naming a missing column."""
     from securevfl.data.missing import presence
 
+    roles = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
     try:
-        ids, values, labels = read_csv_columns(
+        raw = read_table(
             cfg.data_path,
+            columns=[c for _, cols in roles for c in cols],
             id_column=cfg.id_column,
-            columns=[*cfg.active_columns, *(c for p in cfg.parties for c in p.columns)],
             label=cfg.label,
+            na=cfg.na_tokens,
+            delimiter=cfg.delimiter,
+        )
+        labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
+            raw.label, column=cfg.label, where=str(cfg.data_path)
         )
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
-    blocks: dict[str, np.ndarray] = {}
-    offset = 0
-    for role, cols in [(cfg.active_name, cfg.active_columns)] + [
-        (p.name, p.columns) for p in cfg.parties
-    ]:
-        blocks[role] = values[:, offset : offset + len(cols)]
-        offset += len(cols)
-    present = np.stack([~np.all(np.isnan(blocks[p]), axis=1) for p in cfg.party_names], axis=1)
+    if cfg.labeled is None and np.isnan(labels).any():
+        line = int(np.argmax(np.isnan(labels))) + 2
+        raise ConfigError(
+            "[data] path",
+            f"{cfg.data_path}:{line}: the label {cfg.label!r} is empty (drop the row, or set "
+            "[missing] labeled if some training rows are unlabeled on purpose)",
+        )
+    # numbers for the value-dependent missingness generators (text cells count as missing)
+    blocks = {role: _numbers(raw, cols) for role, cols in roles}
+    present = np.stack([_held(raw, cfg.party(p).columns) for p in cfg.party_names], axis=1)
     _, test_ids = train_test_split(
-        ids,
+        raw.ids,
         test_fraction=cfg.test_fraction,
         seed=cfg.seed,
         labels=labels,
         stratify=stratified(cfg),
     )
-    is_test = np.isin(ids, test_ids)
+    is_test = np.isin(raw.ids, test_ids)
     for split, spec, rows in (
         ("train", cfg.missing_train, ~is_test),
         ("test", cfg.missing_test, is_test),
@@ -222,30 +230,105 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
             split=split,
             features=sub,
         )
-    labels = _labeled_budget(cfg, blocks, labels, present, is_test)
+    kept_labels = _labeled_budget(cfg, blocks, labels, present, is_test)
+    label_text = np.where(np.isnan(kept_labels), None, raw.label)
     keep = present.any(axis=1)
+    id_name = ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column
     out: dict[str, Path] = {}
-    for role, block in blocks.items():
+    for role, cols in roles:
         is_active = role == cfg.active_name
         # the active party keeps every row (and so the same train/test split); it learns at
         # set-up which rows each party holds and drops the rows nobody holds
         rows = (
-            np.ones(len(ids), dtype=bool)
+            np.ones(len(raw.ids), dtype=bool)
             if is_active
             else (keep & present[:, cfg.party_names.index(role)])
         )
+        header = [id_name, *cols] + ([cfg.label] if is_active else [])
+        body = [raw.id_text[rows], *(raw.cells[c][rows] for c in cols)]
+        if is_active:
+            body.append(label_text[rows])
         path = role_data_path(run_dir, role)
-        write_csv(
-            path,
-            id_column=cfg.id_column,
-            ids=ids[rows],
-            columns=(cfg.active_columns if is_active else cfg.party(role).columns),
-            values=block[rows],
-            label=cfg.label if is_active else None,
-            labels=labels[rows] if is_active else None,
-        )
+        _write_text(path, header, body)
         out[role] = path
     return out
+
+
+def _matrix(columns: Sequence[np.ndarray], raw: RawTable) -> np.ndarray:
+    """The columns side by side, [n_rows, len(columns)] (also with no column)."""
+    if not columns:
+        return np.empty((len(raw.ids), 0))
+    return np.stack(columns, axis=1)
+
+
+def _numbers(raw: RawTable, columns: Sequence[str]) -> np.ndarray:
+    """float64 [n, len(columns)]: each cell as a number, NaN where empty or not a number."""
+    out = np.full((len(raw.ids), len(columns)), np.nan)
+    for j, c in enumerate(columns):
+        for i, v in enumerate(raw.cells[c]):
+            if v is not None:
+                try:
+                    out[i, j] = float(v)
+                except ValueError:
+                    pass
+    return out
+
+
+def _held(raw: RawTable, columns: Sequence[str]) -> np.ndarray:
+    """Rows with at least one non-empty cell among `columns`."""
+    if not columns:
+        return np.ones(len(raw.ids), dtype=bool)
+    return np.any(np.stack([raw.cells[c] != None for c in columns]), axis=0)  # noqa: E711
+
+
+def _write_text(path: Path, header: Sequence[str], columns: Sequence[np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        for row in zip(*columns, strict=True):
+            w.writerow(["" if v is None else v for v in row])
+
+
+def _load_block(
+    path: Path,
+    cfg: RunConfig,
+    columns: Sequence[str],
+    types: Sequence[tuple[str, str]],
+    *,
+    label: str | None = None,
+) -> tuple[RawTable, dict[str, str]]:
+    raw = read_table(
+        path,
+        columns=columns,
+        id_column=ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column,
+        label=label,
+        na=cfg.na_tokens,
+        delimiter=cfg.delimiter,
+    )
+    declared = dict(types)
+    kinds = {c: declared.get(c) or infer_kind(raw.cells[c]) for c in columns}
+    return raw, kinds
+
+
+def _table(
+    cls: type, raw: RawTable, kinds: dict[str, str], columns: Sequence[str], where: str, **extra
+) -> PartyTable:
+    if all(k == "numeric" for k in kinds.values()):
+        values = _matrix([numeric(raw.cells[c], column=c, where=where) for c in columns], raw)
+        return cls(ids=raw.ids, columns=tuple(columns), values=values, where=where, **extra)
+    for c in columns:  # a bad number is named now, not at set-up
+        if kinds[c] == "numeric":
+            numeric(raw.cells[c], column=c, where=where)
+    return cls(
+        ids=raw.ids,
+        columns=tuple(columns),
+        values=None,
+        raw=raw.cells,
+        encoder=ColumnEncoder(kinds),
+        where=where,
+        **extra,
+    )
 
 
 def stratified(cfg: RunConfig) -> bool:
@@ -287,22 +370,32 @@ def _labeled_budget(
 
 
 def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
-    """A passive party's own file. A row whose cells are all empty is a row the party lacks."""
-    cols = cfg.party(role).columns
-    ids, values, _ = read_csv_columns(path, id_column=cfg.id_column, columns=cols)
-    held = ~np.all(np.isnan(values), axis=1) if len(cols) else np.ones(len(ids), dtype=bool)
-    return PartyTable(ids=ids[held], columns=cols, values=values[held])
+    """A passive party's own file. A row whose cells are all empty is a row the party lacks.
+    Text columns (inferred, or declared in [parties.NAME] types) are encoded at set-up."""
+    party = cfg.party(role)
+    raw, kinds = _load_block(path, cfg, party.columns, party.types)
+    held = _held(raw, party.columns)
+    raw = RawTable(
+        ids=raw.ids[held],
+        id_text=raw.id_text[held],
+        cells={c: v[held] for c, v in raw.cells.items()},
+    )
+    return _table(PartyTable, raw, kinds, party.columns, f"party {role!r} ({path.name})")
 
 
 def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:
-    ids, values, labels = read_csv_columns(
-        path,
-        id_column=cfg.id_column,
-        columns=cfg.active_columns,
-        label=cfg.label,
-        empty_labels=cfg.labeled is not None,
+    raw, kinds = _load_block(path, cfg, cfg.active_columns, cfg.active_types, label=cfg.label)
+    where = f"the active party ({path.name})"
+    labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
+        raw.label, column=cfg.label, where=where
     )
-    return ActiveTable(ids=ids, columns=cfg.active_columns, values=values, labels=labels)
+    if np.isnan(labels).any() and cfg.labeled is None:
+        line = int(np.argmax(np.isnan(labels))) + 2
+        raise DataError(
+            f"{path}:{line}: the label {cfg.label!r} is empty (set [missing] labeled if some "
+            "training rows are unlabeled on purpose)"
+        )
+    return _table(ActiveTable, raw, kinds, cfg.active_columns, where, labels=labels)
 
 
 def train_test_split(

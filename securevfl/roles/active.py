@@ -49,7 +49,6 @@ def run_active(
     if table is None:
         table = load_active_table(data_path, cfg)
     spec = method_spec(cfg.method)
-    method = spec.active_class()(table=table, config=cfg, device=device)
     train_ids, test_ids = train_test_split(
         table.ids,
         test_fraction=cfg.test_fraction,
@@ -57,6 +56,8 @@ def run_active(
         labels=table.labels,
         stratify=stratified(cfg),
     )
+    table.prepare(train_ids)  # its own text columns, encoded on its training rows
+    method = spec.active_class()(table=table, config=cfg, device=device)
     start_epoch = 0
     saved: dict[str, Any] | None = None
     if resume:

@@ -205,6 +205,8 @@ class PartyRound:
         from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
 
         inputs = call.inputs
+        # text columns are encoded on the training rows this party holds, here, once
+        self.method.table.prepare(np.asarray(inputs["train_ids"]))
         # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
         # must not count rows the party never trains on
         held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
@@ -238,7 +240,13 @@ class PartyRound:
         )
         resume_epoch = int(call.args.get("resume_epoch", -1))
         if resume_epoch >= 0:
-            self.method.load_state_dict(load_checkpoint(self.run_dir, self.name, resume_epoch))
+            state = load_checkpoint(self.run_dir, self.name, resume_epoch)
+            if state.get("encoding") != self.method.table.encoding_state():
+                raise RunAborted(
+                    f"{self.name}: the encoding of its text columns differs from the checkpoint "
+                    f"of epoch {resume_epoch}: its data file changed; resume with the same data"
+                )
+            self.method.load_state_dict(state["method"])
             self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
         self.privacy.epoch = resume_epoch + 1
         # which of the active party's rows this party holds (what a PSI would tell it)
@@ -246,7 +254,9 @@ class PartyRound:
 
     def _checkpoint(self, call: Call) -> dict[str, np.ndarray]:
         epoch = int(call.args["epoch"])
-        save_checkpoint(self.run_dir, self.name, epoch, self.method.state_dict())
+        # the encoding travels with the model: scoring new rows needs the same mapping
+        state = {"method": self.method.state_dict(), "encoding": self.method.table.encoding_state()}
+        save_checkpoint(self.run_dir, self.name, epoch, state)
         self.privacy.epoch = epoch + 1
         if self.received is not None:
             self.received.save()
