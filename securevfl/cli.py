@@ -48,6 +48,11 @@ def _role_args(
         p.add_argument("--address", help="the aggregator's address (default: [network] aggregator)")
     if resume:
         p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+        p.add_argument(
+            "--score",
+            action="store_true",
+            help="score the rows of --data with the trained model in --out (no training)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="securevfl",
         description="Privacy-hardened vertical federated learning (secure sums, CKKS, DP).",
     )
+    from securevfl import __version__
+
+    parser.add_argument("--version", action="version", version=f"securevfl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -74,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     agg = sub.add_parser("aggregator", help="run the aggregator (ZeroMQ hub) on this host")
     _role_args(agg, data=False, resume=False)
     agg.add_argument("--bind", help="address to bind (default: [network] bind or aggregator)")
-    _role_args(sub.add_parser("active", help="run the active party (labels) on this host"))
+    active = sub.add_parser("active", help="run the active party (labels) on this host")
+    _role_args(active)
+    active.add_argument("--predictions", type=Path, help="with --score: where to write them")
     _role_args(sub.add_parser("party", help="run one passive party on this host"), name=True)
 
     keys = sub.add_parser("keys", help="make CURVE and masking key pairs and the allowlist")
@@ -90,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="secure training on the embedded breast-cancer table")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
+
+    predict = sub.add_parser(
+        "predict",
+        help="score new rows with a trained run (one process per role, only sums cross)",
+    )
+    predict.add_argument("run_dir", type=Path, help="the trained run's directory")
+    predict.add_argument("--data", type=Path, required=True, help="the table of rows to score")
+    predict.add_argument(
+        "--predictions", type=Path, help="output CSV (default: RUN_DIR/predict/predictions.csv)"
+    )
 
     methods = sub.add_parser(
         "methods",
@@ -178,6 +198,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _audit(args)
     if args.command == "methods":
         return _methods(args)
+    if args.command == "predict":
+        from securevfl.launcher import score_rows
+
+        return score_rows(args.run_dir, data=args.data, predictions=args.predictions)
     raise AssertionError(args.command)
 
 
@@ -319,6 +343,19 @@ def run_role(args: argparse.Namespace) -> int:
             return run_aggregator(cfg, keys_dir=keys_dir, bind=bind, logger=logger)
         data = args.data or (run_dir / "data" / f"{role}.csv")
         address = args.address or cfg.aggregator_address
+        if args.command == "active" and args.score:
+            from securevfl.roles.active import run_active_scoring
+
+            return run_active_scoring(
+                cfg,
+                run_dir=run_dir,
+                keys_dir=keys_dir,
+                data_path=data,
+                predictions=args.predictions or run_dir / "predict" / "predictions.csv",
+                address=address,
+                logger=logger,
+                device=device,
+            )
         if args.command == "active":
             from securevfl.roles.active import run_active
 
@@ -343,6 +380,7 @@ def run_role(args: argparse.Namespace) -> int:
             address=address,
             logger=logger,
             device=device,
+            scoring=args.score,
         )
     except P.RunAborted as exc:
         logger.error("%s", exc)

@@ -29,6 +29,7 @@ from securevfl.data.table import (
 from securevfl.errors import ConfigError
 from securevfl.methods import SumSpec, method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
 from securevfl.roles.rounds import ActiveRound, AggregatorRound, PartyRound
 from transport import Envelope
 
@@ -42,7 +43,17 @@ class DirectFederation(ActiveRound):
     `drop(party, at_round=r)` makes the party vanish at round r (as the aggregator reports a
     lost party). `record=False` keeps none of that (a long benchmark would hold every sum)."""
 
-    def __init__(self, cfg: Any, *, run_dir: Path, record: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        run_dir: Path,
+        record: bool = True,
+        score: Mapping[str, Path] | None = None,
+    ) -> None:
+        """Split the config's table into `run_dir` and set the federation up for training; with
+        `score` (role -> file of new rows), load the trained model in `run_dir` to score them
+        (`securevfl.roles.rounds.score`)."""
         if cfg.aggregation == "ckks":
             raise ConfigError(
                 "[run] aggregation",
@@ -52,24 +63,40 @@ class DirectFederation(ActiveRound):
         import torch
 
         run_dir = Path(run_dir)
-        paths = split_federation(cfg, run_dir)
-        self.tables = {p: load_party_table(paths[p], cfg, p) for p in cfg.party_names}
-        self.active_table = load_active_table(paths[cfg.active_name], cfg)
+        if score is None:
+            paths = split_federation(cfg, run_dir)
+            self.tables = {p: load_party_table(paths[p], cfg, p) for p in cfg.party_names}
+            self.active_table = load_active_table(paths[cfg.active_name], cfg)
+        else:
+            from securevfl.roles.party import saved_encoding
+
+            self.tables = {
+                p: load_party_table(score[p], cfg, p, encoding=saved_encoding(run_dir, p))
+                for p in cfg.party_names
+            }
+            active_state = load_checkpoint(run_dir, cfg.active_name, self._last(run_dir, cfg))
+            self.active_table = load_active_table(
+                score[cfg.active_name], cfg, encoding=active_state.get("encoding"), scoring=True
+            )
+            self.active_table.use_encoding(active_state.get("encoding"))
         spec = method_spec(cfg.method)
         device = torch.device("cpu")
         self.party_methods = {
             p: spec.party_class()(name=p, table=self.tables[p], config=cfg, device=device)
             for p in cfg.party_names
         }
-        train, _ = train_test_split(
-            self.active_table.ids,
-            test_fraction=cfg.test_fraction,
-            seed=cfg.seed,
-            labels=self.active_table.labels,
-            stratify=stratified(cfg),
-        )
-        self.active_table.prepare(train)
+        if score is None:
+            train, _ = train_test_split(
+                self.active_table.ids,
+                test_fraction=cfg.test_fraction,
+                seed=cfg.seed,
+                labels=self.active_table.labels,
+                stratify=stratified(cfg),
+            )
+            self.active_table.prepare(train)
         method = spec.active_class()(table=self.active_table, config=cfg, device=device)
+        if score is not None:
+            method.load_state_dict(active_state["method"])
         session = os.urandom(16)
         roles = (cfg.active_name, *cfg.party_names)
         keys = {r: MaskingKeyPair.generate() for r in roles}
@@ -114,6 +141,10 @@ class DirectFederation(ActiveRound):
                 r.observe = lambda spec, value, p=p: self._values.__setitem__(
                     (spec.key, p), np.asarray(value, dtype=np.float64)
                 )
+        if score is not None:  # scoring: `securevfl.roles.rounds.score(self)` does the set-up
+            self.start_epoch = self._last(run_dir, cfg) + 1
+            self.start(train_ids=self.active_table.ids, ledger=ledger)
+            return
         self.train_ids, self.test_ids = train_test_split(
             self.active_table.ids,
             test_fraction=cfg.test_fraction,
@@ -125,6 +156,15 @@ class DirectFederation(ActiveRound):
         self.setup(train_ids=self.train_ids)
         self.train_ids = self.held_rows(self.train_ids)
         self.test_ids = self.held_rows(self.test_ids)
+
+    @staticmethod
+    def _last(run_dir: Path, cfg: Any) -> int:
+        from securevfl.errors import CheckpointError
+
+        last = latest_epoch(run_dir, cfg.active_name)
+        if last is None:
+            raise CheckpointError(f"{run_dir} holds no trained model to score with")
+        return last
 
     def drop(self, party: str, *, at_round: int) -> None:
         self._drops[party] = at_round
@@ -196,4 +236,33 @@ class DirectFederation(ActiveRound):
         return self.method.evaluate(self, ids=self.test_ids)
 
 
-__all__ = ["DirectFederation"]
+class TrainedModel:
+    """A trained run, loaded for in-process scoring (notebooks, tests): the same round stages as
+    `securevfl predict`, every role in this thread (`securevfl.load(run_dir)`)."""
+
+    def __init__(self, run_dir: Path, *, config: Any = None) -> None:
+        from securevfl.launcher import load_run_config
+
+        self.run_dir = Path(run_dir).resolve()
+        self.config = config if config is not None else load_run_config(self.run_dir)[0]
+
+    def predict(self, data: Path) -> tuple[np.ndarray, np.ndarray]:
+        """(ids as written, outputs) for the rows of table `data` some passive party holds."""
+        import tempfile
+
+        from securevfl.data.table import split_rows
+        from securevfl.roles.rounds import score
+
+        with tempfile.TemporaryDirectory() as tmp:
+            files = split_rows(self.config, Path(data), Path(tmp))
+            fed = DirectFederation(self.config, run_dir=self.run_dir, record=False, score=files)
+            ids, outputs = score(fed)
+            return fed.method.table.texts(ids), outputs
+
+
+def load(run_dir: Path, *, config: Any = None) -> TrainedModel:
+    """A trained run (its last checkpoints), ready to score new rows in this process."""
+    return TrainedModel(run_dir, config=config)
+
+
+__all__ = ["DirectFederation", "TrainedModel", "load"]

@@ -39,7 +39,43 @@ class RoleProcess:
         return self.popen.pid
 
 
-def prepare_run_dir(cfg: RunConfig, config_path: Path, out: Path, *, resume: bool) -> Path:
+RUN_RECORD = "run.json"
+
+
+def record_run(out: Path, config_path: Path, overrides: Mapping[str, Any]) -> None:
+    """What the run was started with (the config file and every --set), so that the model can
+    be loaded and scored later from the run directory alone."""
+    import json
+
+    record = {"config": str(Path(config_path).resolve()), "overrides": dict(overrides)}
+    (out / RUN_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def load_run_config(run_dir: Path) -> tuple[RunConfig, Path]:
+    """The config a run was made with: its record (config file + overrides), else the copy."""
+    import json
+
+    run_dir = Path(run_dir)
+    record = run_dir / RUN_RECORD
+    if record.exists():
+        data = json.loads(record.read_text())
+        path = Path(data["config"])
+        if path.exists():
+            return load_config(path, overrides=data.get("overrides") or None), path
+    copy = run_dir / "config.toml"
+    if not copy.exists():
+        raise ConfigError("RUN_DIR", f"{run_dir} holds no run (no {RUN_RECORD} or config.toml)")
+    return load_config(copy), copy
+
+
+def prepare_run_dir(
+    cfg: RunConfig,
+    config_path: Path,
+    out: Path,
+    *,
+    resume: bool,
+    overrides: Mapping[str, Any] | None = None,
+) -> Path:
     """Split the data and make keys (or check what a resumed run needs). Returns the keys dir."""
     out.mkdir(parents=True, exist_ok=True)
     keys = out / "keys"
@@ -65,6 +101,7 @@ def prepare_run_dir(cfg: RunConfig, config_path: Path, out: Path, *, resume: boo
     ):
         shutil.copyfile(config_path, out / "config.toml")
     generate_keys(cfg.role_names, keys, overwrite=True)
+    record_run(out, config_path, overrides or {})
     return keys
 
 
@@ -77,12 +114,19 @@ def role_commands(
     address: str,
     resume: bool,
     overrides: Sequence[str] = (),
+    data: Mapping[str, Path] | None = None,
+    predictions: Path | None = None,
 ) -> dict[str, list[str]]:
+    """The command of every role; with `predictions`, the roles score (`data`: the new rows of
+    each role) instead of training."""
     base = [sys.executable, "-m", "securevfl"]
     common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
     for o in overrides:
         common += ["--set", o]
     extra = ["--resume"] if resume else []
+    if predictions is not None:
+        extra = ["--score"]
+    data = data or {r: role_data_path(out, r) for r in cfg.role_names}
     cmds = {"aggregator": [*base, "aggregator", *common, "--bind", address]}
     cmds[cfg.active_name] = [
         *base,
@@ -91,8 +135,9 @@ def role_commands(
         "--address",
         address,
         "--data",
-        str(role_data_path(out, cfg.active_name)),
+        str(data[cfg.active_name]),
         *extra,
+        *(["--predictions", str(predictions)] if predictions is not None else []),
     ]
     for p in cfg.party_names:
         cmds[p] = [
@@ -104,7 +149,7 @@ def role_commands(
             "--address",
             address,
             "--data",
-            str(role_data_path(out, p)),
+            str(data[p]),
             *extra,
         ]
     return cmds
@@ -127,7 +172,7 @@ def launch(
 
         return run_inproc(cfg, out=out, resume=resume, config_path=config_path)
     out = Path(out).resolve()
-    keys = prepare_run_dir(cfg, Path(config_path), out, resume=resume)
+    keys = prepare_run_dir(cfg, Path(config_path), out, resume=resume, overrides=overrides)
     address = f"tcp://127.0.0.1:{free_port()}"
     cmds = role_commands(
         Path(config_path).resolve(),
@@ -138,6 +183,17 @@ def launch(
         resume=resume,
         overrides=override_args,
     )
+    return _start(cmds, cfg, out, stdout, env=env)
+
+
+def _start(
+    cmds: Mapping[str, list[str]],
+    cfg: RunConfig,
+    out: Path,
+    stdout: IO[str] | None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> int:
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share the cores
     procs: list[RoleProcess] = []
@@ -217,3 +273,42 @@ def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> i
         if code in failed.values():
             return code
     return codes.get(active) or P.EXIT_ERROR
+
+
+def score_rows(
+    run_dir: Path,
+    *,
+    data: Path,
+    predictions: Path | None = None,
+    stdout: IO[str] | None = None,
+) -> int:
+    """`securevfl predict`: the run's trained model scores the rows of the table `data`, one OS
+    process per role (each reads only its own part of the rows); writes predictions.csv."""
+    run_dir = Path(run_dir).resolve()
+    cfg, config_path = load_run_config(run_dir)
+    work = run_dir / "predict"
+    from securevfl.data.table import split_rows
+
+    files = split_rows(cfg, Path(data), work / "data")
+    predictions = Path(predictions or work / "predictions.csv").resolve()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    record = run_dir / RUN_RECORD
+    overrides: list[str] = []
+    if record.exists():
+        import json
+
+        overrides = [
+            f"{k}={json.dumps(v)}" for k, v in json.loads(record.read_text())["overrides"].items()
+        ]
+    cmds = role_commands(
+        config_path,
+        cfg,
+        out=run_dir,
+        keys=run_dir / "keys",
+        address=address,
+        resume=False,
+        overrides=overrides,
+        data=files,
+        predictions=predictions,
+    )
+    return _start(cmds, cfg, run_dir, stdout)

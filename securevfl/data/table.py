@@ -42,6 +42,7 @@ class PartyTable:
     raw: dict[str, np.ndarray] | None = None
     encoder: ColumnEncoder | None = None
     where: str = "table"
+    id_text: np.ndarray | None = None  # the identifiers as written (for outputs)
 
     def __post_init__(self) -> None:
         order = np.argsort(self.ids, kind="stable")
@@ -50,6 +51,8 @@ class PartyTable:
             self.values = np.asarray(self.values, dtype=np.float64)[order]
         if self.raw is not None:
             self.raw = {c: v[order] for c, v in self.raw.items()}
+        if self.id_text is not None:
+            self.id_text = np.asarray(self.id_text, dtype=object)[order]
         if len(np.unique(self.ids)) != len(self.ids):
             dup = self.ids[1:][self.ids[1:] == self.ids[:-1]][:5]
             raise DataError(f"sample ids must be unique; repeated ids: {dup.tolist()}")
@@ -63,6 +66,22 @@ class PartyTable:
         self.encoder.fit({c: v[rows] for c, v in self.raw.items()})
         self.values = self.encoder.transform(self.raw, where=self.where)
         self.columns = self.encoder.out_columns
+
+    def use_encoding(self, state: dict | None) -> None:
+        """Encode the text columns with a saved encoding (a trained model scoring new rows)."""
+        if self.encoder is None or self.values is not None:
+            return
+        if state is None:
+            raise DataError(f"{self.where}: text columns but no saved encoding to score them")
+        self.encoder.load_state_dict(state)
+        self.values = self.encoder.transform(self.raw, where=self.where)
+        self.columns = self.encoder.out_columns
+
+    def texts(self, ids: np.ndarray) -> np.ndarray:
+        """The identifiers of `ids` as written in the file."""
+        if self.id_text is None:
+            return np.asarray(ids).astype(str).astype(object)
+        return self.id_text[self.positions(ids)]
 
     def encoding_state(self) -> dict | None:
         return None if self.encoder is None else self.encoder.state_dict()
@@ -297,6 +316,7 @@ def _load_block(
     types: Sequence[tuple[str, str]],
     *,
     label: str | None = None,
+    saved: dict | None = None,
 ) -> tuple[RawTable, dict[str, str]]:
     raw = read_table(
         path,
@@ -308,6 +328,8 @@ def _load_block(
     )
     declared = dict(types)
     kinds = {c: declared.get(c) or infer_kind(raw.cells[c]) for c in columns}
+    if saved is not None:  # a trained model scoring new rows: the types it was trained with
+        kinds = dict(saved["kinds"])
     return raw, kinds
 
 
@@ -316,7 +338,14 @@ def _table(
 ) -> PartyTable:
     if all(k == "numeric" for k in kinds.values()):
         values = _matrix([numeric(raw.cells[c], column=c, where=where) for c in columns], raw)
-        return cls(ids=raw.ids, columns=tuple(columns), values=values, where=where, **extra)
+        return cls(
+            ids=raw.ids,
+            columns=tuple(columns),
+            values=values,
+            where=where,
+            id_text=raw.id_text,
+            **extra,
+        )
     for c in columns:  # a bad number is named now, not at set-up
         if kinds[c] == "numeric":
             numeric(raw.cells[c], column=c, where=where)
@@ -327,8 +356,40 @@ def _table(
         raw=raw.cells,
         encoder=ColumnEncoder(kinds),
         where=where,
+        id_text=raw.id_text,
         **extra,
     )
+
+
+def split_rows(cfg: RunConfig, source: Path, out_dir: Path) -> dict[str, Path]:
+    """New rows to score: the table `source` (the run's columns; the label optional) split
+    into one file per role in `out_dir`, every row to every role that has a cell of it."""
+    roles = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
+    with Path(source).open(encoding="utf-8-sig") as fh:
+        has_label = cfg.label in fh.readline()
+    try:
+        raw = read_table(
+            Path(source),
+            columns=[c for _, cols in roles for c in cols],
+            id_column=cfg.id_column,
+            label=cfg.label if has_label else None,
+            na=cfg.na_tokens,
+            delimiter=cfg.delimiter,
+        )
+    except DataError as exc:
+        raise ConfigError("--data", str(exc)) from None
+    id_name = ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column
+    out: dict[str, Path] = {}
+    for role, cols in roles:
+        is_active = role == cfg.active_name
+        rows = np.ones(len(raw.ids), dtype=bool) if is_active else _held(raw, cols)
+        header = [id_name, *cols] + ([cfg.label] if is_active and has_label else [])
+        body = [raw.id_text[rows], *(raw.cells[c][rows] for c in cols)]
+        if is_active and has_label:
+            body.append(raw.label[rows])
+        out[role] = Path(out_dir) / f"{role}.csv"
+        _write_text(out[role], header, body)
+    return out
 
 
 def stratified(cfg: RunConfig) -> bool:
@@ -369,11 +430,14 @@ def _labeled_budget(
     return out
 
 
-def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
+def load_party_table(
+    path: Path, cfg: RunConfig, role: str, *, encoding: dict | None = None
+) -> PartyTable:
     """A passive party's own file. A row whose cells are all empty is a row the party lacks.
-    Text columns (inferred, or declared in [parties.NAME] types) are encoded at set-up."""
+    Text columns (inferred, or declared in [parties.NAME] types) are encoded at set-up; with a
+    saved `encoding` (scoring new rows), with the types and categories it holds."""
     party = cfg.party(role)
-    raw, kinds = _load_block(path, cfg, party.columns, party.types)
+    raw, kinds = _load_block(path, cfg, party.columns, party.types, saved=encoding)
     held = _held(raw, party.columns)
     raw = RawTable(
         ids=raw.ids[held],
@@ -383,13 +447,26 @@ def load_party_table(path: Path, cfg: RunConfig, role: str) -> PartyTable:
     return _table(PartyTable, raw, kinds, party.columns, f"party {role!r} ({path.name})")
 
 
-def load_active_table(path: Path, cfg: RunConfig) -> ActiveTable:
-    raw, kinds = _load_block(path, cfg, cfg.active_columns, cfg.active_types, label=cfg.label)
-    where = f"the active party ({path.name})"
-    labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
-        raw.label, column=cfg.label, where=where
+def load_active_table(
+    path: Path, cfg: RunConfig, *, encoding: dict | None = None, scoring: bool = False
+) -> ActiveTable:
+    """The active party's file; `scoring`: rows to score, whose labels may be absent."""
+    label = cfg.label
+    if scoring:
+        with path.open(encoding="utf-8-sig") as fh:
+            if cfg.label not in fh.readline():
+                label = None
+    raw, kinds = _load_block(
+        path, cfg, cfg.active_columns, cfg.active_types, label=label, saved=encoding
     )
-    if np.isnan(labels).any() and cfg.labeled is None:
+    where = f"the active party ({path.name})"
+    if label is None:
+        labels = np.full(len(raw.ids), np.nan)
+    else:
+        labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
+            raw.label, column=cfg.label, where=where
+        )
+    if np.isnan(labels).any() and cfg.labeled is None and not scoring:
         line = int(np.argmax(np.isnan(labels))) + 2
         raise DataError(
             f"{path}:{line}: the label {cfg.label!r} is empty (set [missing] labeled if some "

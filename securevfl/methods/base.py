@@ -168,6 +168,13 @@ class ActiveMethod(ABC):
     def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
         """Metrics on rows `ids` (held out), computed through secure sums."""
 
+    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
+        """The trained model's outputs on rows `ids` ([n] or [n, C]: a logit, class scores,
+        a class or a value, as the method defines), through secure sums."""
+        raise NotImplementedError(
+            f"method {self.config.method!r} cannot score new rows yet (no predict)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

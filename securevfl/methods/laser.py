@@ -169,7 +169,7 @@ class LaserActive(BlockActive):
                     for b, on in zip(self.blocks, present[j], strict=True)
                     if on and b != self.own_name
                 )
-                rng = np.random.default_rng([self.config.seed, 0xFA3, row])
+                rng = np.random.default_rng([self.config.seed, 0xFA3, row % 2**63])
                 family = draw_family(passive, self.config.min_group, rng)
                 if family not in index:
                     index[family] = len(self.families)

@@ -131,6 +131,9 @@ class RidgeActive(ActiveMethod):
             if self.done % 50 == 0 or self.done == opts.iterations:
                 ctx.epoch_done(t, stats={"loss": float(np.mean(residual**2)) / 2})
 
+    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
+        return self._predict(ctx, ids)
+
     def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
         return task_metrics(
             "regression", y_true=self.table.label_rows(ids), output=self._predict(ctx, ids)

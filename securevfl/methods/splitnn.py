@@ -201,7 +201,7 @@ class SplitNNActive(ActiveMethod):
                 },
             )
 
-    def predict(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
+    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
         self.fusion.eval()
         outs = []
         with torch.no_grad():
@@ -211,7 +211,7 @@ class SplitNNActive(ActiveMethod):
         return np.concatenate(outs) if outs else np.empty((0, 1))
 
     def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
-        output = self.predict(ctx, ids)
+        output = self.predict(ctx, ids=ids)
         return task_metrics(self.config.task, y_true=self.table.label_rows(ids), output=output)
 
     def state_dict(self) -> dict[str, Any]:

@@ -190,3 +190,104 @@ def zmq_exchange(conn: RoleConnection, cfg: RunConfig, logger: logging.Logger) -
             )
 
     return exchange
+
+
+def run_active_scoring(
+    cfg: RunConfig,
+    *,
+    run_dir: Path,
+    keys_dir: Path,
+    data_path: Path,
+    predictions: Path,
+    address: str,
+    logger: logging.Logger,
+    device: Any,
+    context: Any = None,
+    out: Any = sys.stdout,
+) -> int:
+    """A trained model (the last checkpoints in `run_dir`) scores the rows of `data_path`:
+    writes `predictions` (id, output) and, when the file has labels, prints the metrics."""
+    from securevfl.data.table import load_active_table
+    from securevfl.errors import CheckpointError
+    from securevfl.roles.rounds import score
+
+    last = latest_epoch(run_dir, cfg.active_name)
+    if last is None:
+        raise CheckpointError(f"{run_dir} holds no trained model of {cfg.active_name!r}")
+    saved = load_checkpoint(run_dir, cfg.active_name, last)
+    table = load_active_table(data_path, cfg, encoding=saved.get("encoding"), scoring=True)
+    table.use_encoding(saved.get("encoding"))
+    method = method_spec(cfg.method).active_class()(table=table, config=cfg, device=device)
+    method.load_state_dict(saved["method"])
+    ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
+    conn = RoleConnection.connect(
+        cfg=cfg,
+        name=cfg.active_name,
+        keys_dir=keys_dir,
+        address=address,
+        logger=logger,
+        nonce=pysecrets.token_hex(16),
+        context=context,
+    )
+    try:
+        session = conn.handshake()
+        ctx = ActiveRound(
+            cfg=cfg,
+            exchange=zmq_exchange(conn, cfg, logger),
+            session=session,
+            method=method,
+            run_dir=run_dir,
+            logger=logger,
+            start_epoch=last + 1,
+            out=out,
+            mask_keypair=conn.secrets.mask,
+            mask_publics=conn.public.mask,
+        )
+        ctx.start(train_ids=table.ids, ledger=ledger)
+        ids, outputs = score(ctx)
+        write_predictions(predictions, table, ids, outputs)
+        if not np.isnan(table.label_rows(ids)).any():
+            metrics = prediction_metrics(cfg.task, table.label_rows(ids), outputs)
+            print("scored: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=out)
+        print(f"wrote {len(ids)} predictions to {predictions}", file=out, flush=True)
+        ctx.round += 1
+        conn.send(
+            Envelope(
+                kind=P.BYE, sender=cfg.active_name, session=conn.session_hex or "", round=ctx.round
+            )
+        )
+        conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
+        return P.EXIT_OK
+    except P.RunAborted:
+        raise
+    except Exception as exc:
+        report_failure(conn, exc)
+        raise
+    finally:
+        conn.close()
+
+
+def write_predictions(path: Path, table: Any, ids: np.ndarray, outputs: np.ndarray) -> Path:
+    """id (as written in the data) and the model's output(s), one row each."""
+    import csv
+
+    outputs = np.asarray(outputs)
+    cols = ["output"] if outputs.ndim == 1 else [f"output_{j}" for j in range(outputs.shape[1])]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["id", *cols])
+        for text, row in zip(table.texts(ids), outputs.reshape(len(ids), -1), strict=True):
+            w.writerow([text, *(repr(float(v)) for v in row)])
+    return path
+
+
+def prediction_metrics(task: str, labels: np.ndarray, outputs: np.ndarray) -> dict[str, float]:
+    """Held-out metrics of scored rows: from raw outputs, or accuracy of predicted classes."""
+    from securevfl.metrics import task_metrics
+
+    outputs = np.asarray(outputs)
+    if outputs.dtype.kind in "iu":  # classes (the block methods)
+        return {"accuracy": float(np.mean(outputs == labels))}
+    return task_metrics(task, y_true=labels, output=outputs)

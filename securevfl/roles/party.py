@@ -130,11 +130,13 @@ def run_party(
     device: Any,
     table: Any = None,
     context: Any = None,
+    scoring: bool = False,
 ) -> int:
     from securevfl.data.table import load_party_table
 
     if table is None:
-        table = load_party_table(data_path, cfg, name)
+        encoding = saved_encoding(run_dir, name) if scoring else None
+        table = load_party_table(data_path, cfg, name, encoding=encoding)
     logger.info(
         "party %s (pid %d): %d rows, columns %s", name, os.getpid(), len(table), list(table.columns)
     )
@@ -184,3 +186,16 @@ def report_failure(conn: RoleConnection, exc: BaseException) -> None:
         )
     except Exception as send_exc:  # the run is failing anyway; the log keeps both
         conn.logger.warning("could not report the failure to the aggregator: %s", send_exc)
+
+
+def saved_encoding(run_dir: Path, role: str) -> dict | None:
+    """The encoding of `role`'s text columns in its last checkpoint (a trained model)."""
+    from securevfl.errors import CheckpointError
+    from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
+
+    last = latest_epoch(run_dir, role)
+    if last is None:
+        raise CheckpointError(
+            f"{run_dir} holds no checkpoint of {role!r}: train the model first (securevfl run)"
+        )
+    return load_checkpoint(run_dir, role, last).get("encoding")

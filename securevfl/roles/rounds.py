@@ -205,8 +205,17 @@ class PartyRound:
         from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
 
         inputs = call.inputs
-        # text columns are encoded on the training rows this party holds, here, once
-        self.method.table.prepare(np.asarray(inputs["train_ids"]))
+        resume_epoch = int(call.args.get("resume_epoch", -1))
+        scoring = bool(call.args.get("predict", False))
+        saved = (
+            load_checkpoint(self.run_dir, self.name, resume_epoch) if resume_epoch >= 0 else None
+        )
+        if scoring:  # a trained model scoring new rows: its own encoding, no fitting
+            if saved is None:
+                raise RunAborted(f"{self.name}: nothing to score with: no trained checkpoint")
+            self.method.table.use_encoding(saved.get("encoding"))
+        else:  # text columns are encoded on the training rows this party holds, here, once
+            self.method.table.prepare(np.asarray(inputs["train_ids"]))
         # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
         # must not count rows the party never trains on
         held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
@@ -238,9 +247,8 @@ class PartyRound:
                 ckks_public_context=None if ckks is None else ckks.tobytes(),
             )
         )
-        resume_epoch = int(call.args.get("resume_epoch", -1))
-        if resume_epoch >= 0:
-            state = load_checkpoint(self.run_dir, self.name, resume_epoch)
+        if saved is not None:
+            state = saved
             if state.get("encoding") != self.method.table.encoding_state():
                 raise RunAborted(
                     f"{self.name}: the encoding of its text columns differs from the checkpoint "
@@ -732,6 +740,7 @@ class ActiveRound:
             epoch,
             {
                 "method": self.method.state_dict(),
+                "encoding": self.method.table.encoding_state(),
                 "epoch_seconds": list(self.epoch_seconds),
                 "history": [dict(h) for h in self.history],
                 "round": self.round,
@@ -762,14 +771,17 @@ class ActiveRound:
         self.privacy.set_rows(self.method.table.ids)
         self.method.privacy = self.privacy
 
-    def setup(self, *, train_ids: np.ndarray) -> None:
+    def setup(self, *, train_ids: np.ndarray, scoring: bool = False) -> None:
         """The set-up round: every party learns the training rows (and, with ckks, receives the
-        authenticated public context); each answers which of the active party's rows it holds."""
+        authenticated public context); each answers which of the active party's rows it holds.
+        `scoring`: a trained model (the checkpoint of epoch start_epoch - 1) scores new rows."""
         cfg = self.config
         inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
         # what the active party runs: each party compares it with its own config
         run = {"method": cfg.method, "aggregation": cfg.aggregation, "min_group": cfg.min_group}
         args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run}
+        if scoring:
+            args["predict"] = True
         if self.ckks_context is not None:
             inputs["ckks_context"] = np.frombuffer(self.ckks_context, dtype=np.uint8)
             args["ckks_tags"] = {
@@ -822,3 +834,12 @@ def train_and_evaluate(
 def tolerates_dropout(cfg: RunConfig) -> bool:
     """Whether the run's method goes on without a party that died (its declaration says)."""
     return method_spec(cfg.method).tolerates_dropout
+
+
+def score(ctx: ActiveRound) -> tuple[np.ndarray, np.ndarray]:
+    """A trained model scoring the active party's rows: set-up in scoring mode, then the
+    method's `predict` on the rows some passive party holds. Returns (ids, outputs)."""
+    ids = ctx.method.table.ids
+    ctx.setup(train_ids=ids, scoring=True)
+    ids = ctx.held_rows(ids)
+    return ids, np.asarray(ctx.method.predict(ctx, ids=ids))

@@ -89,6 +89,28 @@ class BlockEvaluation:
             )
         return metrics
 
+    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
+        """One class per row: the majority of its predictors (ties to the lowest class); -1
+        for a row no present block can predict."""
+        self.sync_dead(ctx)
+        self.heads.eval()
+        if self.own is not None:
+            self.own.eval()
+        pres = self.presence_matrix(ctx, ids)
+        out = np.full(len(ids), -1, dtype=np.int64)
+        codes = pattern_codes(pres)
+        with torch.no_grad():
+            for code in np.unique(codes[pres.any(axis=1)]):
+                rows = np.flatnonzero(codes == code)
+                pred = self.predict_rows(ctx, ids[rows], self.present_of(pres[rows[0]]))
+                if pred is None:
+                    continue
+                votes = np.zeros((len(rows), self.n_classes))
+                for classes in pred.classes.values():
+                    votes[np.arange(len(rows)), classes] += 1
+                out[rows] = votes.argmax(axis=1)
+        return out
+
     def evaluate_presence(
         self, ctx: ActiveContext, ids: np.ndarray, pres: np.ndarray
     ) -> dict[str, Any]:
