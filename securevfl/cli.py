@@ -101,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
 
+    align = sub.add_parser(
+        "align",
+        help="private set intersection of each party's ids with the label holder's (PSI)",
+        description="Each party learns which of its rows the label holder has, the label holder "
+        "which of its rows each party has, and nothing else about the other ids (ECDH-PSI over "
+        "CurveZMQ; the active party binds, the parties connect). Without --role, every role "
+        "runs on this machine from the config's table, split as `securevfl run` splits it.",
+    )
+    align.add_argument("--config", required=True, type=Path)
+    align.add_argument("--out", required=True, type=Path)
+    align.add_argument("--role", help="run one role (the active party binds --bind)")
+    align.add_argument("--data", type=Path, help="this role's own table (with --role)")
+    align.add_argument("--keys", type=Path, help="keys directory (default: [network] keys)")
+    align.add_argument("--bind", default="tcp://127.0.0.1:5560", help="the active party's address")
+
     predict = sub.add_parser(
         "predict",
         help="score new rows with a trained run (one process per role, only sums cross)",
@@ -198,6 +213,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _audit(args)
     if args.command == "methods":
         return _methods(args)
+    if args.command == "align":
+        return _align(args)
     if args.command == "predict":
         from securevfl.launcher import score_rows
 
@@ -235,6 +252,73 @@ def _check_privacy(cfg: RunConfig) -> None:
         stratify=stratified(cfg),
     )
     check_federation(cfg, n_train=len(train))
+
+
+def _align(args: argparse.Namespace) -> int:
+    """`securevfl align`: one role (--role), or every role on this machine as processes."""
+    import subprocess
+
+    cfg = load_config(args.config)
+    out = args.out.resolve()
+    if args.role is not None:
+        from securevfl.align import align_active, align_party
+
+        keys = args.keys or cfg.keys_dir
+        if args.data is None:
+            raise ConfigError("--data", "give this role's own table")
+        logger = P.role_logger(f"align-{args.role}", out)
+        if args.role == cfg.active_name:
+            summary = align_active(
+                cfg, data=args.data, keys_dir=keys, bind=args.bind, out=out, logger=logger
+            )
+            for party, s in summary["parties"].items():
+                print(
+                    f"{party}: {s['intersection']} of {summary['active']} ids shared "
+                    f"({s['seconds']} s, {s['bytes_sent'] + s['bytes_received']} bytes)"
+                )
+            return P.EXIT_OK
+        if args.role not in cfg.party_names:
+            raise ConfigError(
+                "--role", f"no role {args.role!r}; the config has {list(cfg.role_names)}"
+            )
+        n = align_party(
+            cfg,
+            name=args.role,
+            data=args.data,
+            keys_dir=keys,
+            address=args.bind,
+            out=out,
+            logger=logger,
+        )
+        print(f"{args.role}: {n} rows shared with the label holder")
+        return P.EXIT_OK
+    from securevfl.data.table import split_federation
+    from securevfl.keys import generate_keys
+    from securevfl.launcher import free_port
+
+    files = split_federation(cfg, out / "source")
+    keys = out / "keys"
+    generate_keys(cfg.role_names, keys, overwrite=True)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    base = [
+        sys.executable,
+        "-m",
+        "securevfl",
+        "align",
+        "--config",
+        str(args.config.resolve()),
+        "--out",
+        str(out),
+        "--keys",
+        str(keys),
+        "--bind",
+        address,
+    ]
+    procs = [
+        subprocess.Popen([*base, "--role", r, "--data", str(files[r])]) for r in cfg.role_names
+    ]
+    codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
 
 
 def _methods(args: argparse.Namespace) -> int:
