@@ -98,6 +98,9 @@ class RunConfig:
     na_tokens: tuple[str, ...] = ("", "NA", "N/A", "NaN", "nan", "null", "NULL", "?")
     delimiter: str | None = None  # None: sniffed from the header line
     positive: str | None = None  # binary task: the label value that is class 1
+    # which of the active party's ids each party holds, from `securevfl align` (presence.csv):
+    # set-up then sends each party only the ids it shares with the label holder
+    presence_path: Path | None = None
     # [active], [parties.*]
     active_name: str = "active"
     active_columns: tuple[str, ...] = ()
@@ -234,6 +237,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "na",
             "delimiter",
             "positive",
+            "presence",
         },
     )
     a = _Section(raw, "active", {"name", "columns", "dp_sgd", "max_epsilon", "types"})
@@ -285,6 +289,9 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         na_tokens=_na(d.raw("na")),
         delimiter=_delimiter(d.raw("delimiter")),
         positive=d.string("positive", None),
+        presence_path=(
+            None if d.raw("presence") is None else _resolve(base, d.string("presence", None))
+        ),
         active_name=_role_name(a.string("name", D.active_name), "[active] name"),
         active_columns=a.string_list("columns", []),
         active_types=_types(a.raw("types"), "[active] types"),

@@ -29,8 +29,9 @@ from securevfl.data.table import (
 from securevfl.errors import ConfigError
 from securevfl.methods import SumSpec, method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from securevfl.roles.active_round import ActiveRound
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
-from securevfl.roles.rounds import ActiveRound, AggregatorRound, PartyRound
+from securevfl.roles.rounds import AggregatorRound, PartyRound
 from transport import Envelope
 
 
@@ -153,6 +154,10 @@ class DirectFederation(ActiveRound):
             stratify=stratified(cfg),
         )
         self.start(train_ids=self.train_ids, ledger=ledger)
+        if cfg.presence_path is not None:  # aligned by PSI: parties learn only shared ids
+            from securevfl.roles.active import load_presence
+
+            self.shared = load_presence(cfg.presence_path, self.active_table, cfg.party_names)
         self.setup(train_ids=self.train_ids)
         self.train_ids = self.held_rows(self.train_ids)
         self.test_ids = self.held_rows(self.test_ids)
@@ -251,7 +256,7 @@ class TrainedModel:
         import tempfile
 
         from securevfl.data.table import split_rows
-        from securevfl.roles.rounds import score
+        from securevfl.roles.active_round import score
 
         with tempfile.TemporaryDirectory() as tmp:
             files = split_rows(self.config, Path(data), Path(tmp))

@@ -9,7 +9,7 @@ import os
 import secrets as pysecrets
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,10 @@ from securevfl.privacy.audit import audit
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.privacy.run_audit import epsilon_summary, write_manifest
 from securevfl.roles import protocol as P
+from securevfl.roles.active_round import ActiveRound, train_and_evaluate
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.party import report_failure
-from securevfl.roles.rounds import ActiveRound, train_and_evaluate
 from transport import Envelope
 
 
@@ -97,6 +97,8 @@ def run_active(
         # N is the training set the parties are told of at set-up: every role derives the same
         # delta from it (a bad delta or budget is a ConfigError: exit status 2)
         ctx.start(train_ids=train_ids, ledger=ledger)
+        if cfg.presence_path is not None:
+            ctx.shared = load_presence(cfg.presence_path, table, cfg.party_names)
         write_manifest(
             run_dir,
             active=cfg.active_name,
@@ -209,7 +211,7 @@ def run_active_scoring(
     writes `predictions` (id, output) and, when the file has labels, prints the metrics."""
     from securevfl.data.table import load_active_table
     from securevfl.errors import CheckpointError
-    from securevfl.roles.rounds import score
+    from securevfl.roles.active_round import score
 
     last = latest_epoch(run_dir, cfg.active_name)
     if last is None:
@@ -291,3 +293,25 @@ def prediction_metrics(task: str, labels: np.ndarray, outputs: np.ndarray) -> di
     if outputs.dtype.kind in "iu":  # classes (the block methods)
         return {"accuracy": float(np.mean(outputs == labels))}
     return task_metrics(task, y_true=labels, output=outputs)
+
+
+def load_presence(path: Path, table: Any, parties: Sequence[str]) -> dict[str, np.ndarray]:
+    """`securevfl align`'s presence.csv: party -> bool over the active table's ids."""
+    import csv
+
+    from securevfl.data.columns import row_ids
+    from securevfl.errors import DataError
+
+    with Path(path).open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    missing = [p for p in parties if rows and p not in rows[0]]
+    if not rows or missing:
+        raise DataError(f"{path}: no alignment for parties {missing or list(parties)}")
+    ids = row_ids([r["id"] for r in rows], where=str(path))
+    out = {p: np.zeros(len(table.ids), dtype=bool) for p in parties}
+    known = table.has(ids)
+    positions = table.positions(ids[known])
+    for p in parties:
+        flags = np.array([r[p] == "1" for r in rows], dtype=bool)[known]
+        out[p][positions] = flags
+    return out

@@ -144,3 +144,34 @@ def test_align_on_100k_ids_with_half_overlap(tmp_path, restore_transport):
     cfg, result, sent, common, _, _ = run_alignment(tmp_path, n=100_000)
     assert result["bank"] == len(common) == 50_000
     assert result["active"]["parties"]["bank"]["intersection"] == 50_000
+
+
+def test_after_alignment_each_party_is_told_only_the_ids_it_shares(tmp_path):
+    """With `[data] presence` (align's presence.csv), set-up sends each party only the label
+    holder's ids it shares (not every id of the label holder), and training goes on."""
+    from securevfl.direct import DirectFederation
+    from securevfl.methods.examples import classification
+    from tests.securevfl.conftest import permissive_policy
+
+    raw = classification(tmp_path, method="laser", blocks=3, p_missing=0.3, n=240)
+    raw["run"]["seed"] = 1
+    cfg0 = parse_config(permissive_policy(raw), source=tmp_path / "config.toml")
+    # what a PSI would have found: which of the active party's rows each party holds
+    from securevfl.data.table import load_party_table, split_federation
+
+    files = split_federation(cfg0, tmp_path / "split")
+    held = {p: set(load_party_table(files[p], cfg0, p).ids.tolist()) for p in cfg0.party_names}
+    ids = list(range(1, 241))
+    lines = ["id," + ",".join(cfg0.party_names)] + [
+        f"{i}," + ",".join("1" if i in held[p] else "0" for p in cfg0.party_names) for i in ids
+    ]
+    (tmp_path / "presence.csv").write_text("\n".join(lines) + "\n")
+    raw["data"]["presence"] = "presence.csv"
+    cfg = parse_config(permissive_policy(raw), source=tmp_path / "config.toml")
+    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
+    for p in cfg.party_names:
+        told = set(fed.party_rounds[p].privacy._rows.tolist())
+        assert told == held[p] & set(fed.active_table.ids.tolist())
+        assert len(told) < 240  # not the label holder's whole id list
+    fed.run()
+    assert fed.history

@@ -163,7 +163,7 @@ def test_a_labeled_budget_keeps_labels_of_that_many_training_rows_and_aligns_som
     assert full[~active.labeled(train)].mean() < 0.15
     fed = DirectFederation(cfg, run_dir=tmp_path / "fed")
     assert len(fed.train_ids) > 120  # the parties learn every training row
-    from securevfl.roles.rounds import train_and_evaluate
+    from securevfl.roles.active_round import train_and_evaluate
 
     used, _, _ = train_and_evaluate(fed, train_ids=fed.train_ids, test_ids=fed.test_ids[:50])
     assert len(used) <= 120 and active.labeled(used).all()

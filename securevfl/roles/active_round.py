@@ -1,0 +1,417 @@
+"""The active party's stage of every round (`ActiveRound`, an `ActiveContext`), and the runs it
+drives: set-up, training and evaluation (`train_and_evaluate`), scoring (`score`). Its calls go
+through an `exchange` (one call envelope in, its result out): ZeroMQ for the roles, memory for
+the direct path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from securevfl.config import RunConfig
+from securevfl.errors import RunAborted
+from securevfl.methods import PartyDropped, SumSpec, method_spec
+from securevfl.roles import protocol as P
+from securevfl.roles.checkpoint import save_checkpoint
+from securevfl.roles.guard import call_tags
+from securevfl.roles.rounds import Call, Exchange, sum_arrays
+from securevfl.secure_sum import (
+    SumSession,
+    backend,
+    check_group,
+    ckks_context_tag,
+    group_allowed,
+)
+from transport import Envelope
+
+
+class ActiveRound:
+    """The active party's stage: an `ActiveContext` whose calls go through `exchange` (one call
+    envelope in, its result envelope out) — ZeroMQ for the roles, memory for the direct path."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RunConfig,
+        exchange: Exchange,
+        session: bytes,
+        method: Any,
+        run_dir: Path,
+        logger: logging.Logger,
+        start_epoch: int = 0,
+        out: Any = None,
+        mask_keypair: Any = None,
+        mask_publics: Mapping[str, bytes] | None = None,
+    ) -> None:
+        self.config = cfg
+        self.exchange = exchange
+        self.session = session
+        self.session_hex = session.hex()
+        self.method = method
+        self.run_dir = Path(run_dir)
+        self.logger = logger
+        self.start_epoch = start_epoch
+        self.out = out
+        self.mask_keypair = mask_keypair
+        self.mask_publics = dict(mask_publics or {})
+        self.round = 0
+        self._parties = tuple(cfg.party_names)
+        self.privacy: Any = None
+        self.key_holder: Any = None
+        self.ckks_context: bytes | None = None
+        if cfg.aggregation == "ckks":
+            from crypto.ckks import CkksKeyHolder, CkksParams
+
+            self.key_holder = CkksKeyHolder(
+                params=CkksParams(
+                    poly_modulus_degree=cfg.ckks.poly_modulus_degree,
+                    coeff_mod_bit_sizes=cfg.ckks.coeff_mod_bit_sizes,
+                    scale_bits=cfg.ckks.scale_bits,
+                )
+            )
+            self.ckks_context = self.key_holder.public_context_bytes()
+        release = None
+        if cfg.aggregation == "ckks":
+            from crypto.ckks import DecryptionRelease
+
+            release = DecryptionRelease(
+                precision_bits=cfg.ckks.precision_bits, flood_bits=cfg.ckks.flood_bits
+            )
+        sum_session = SumSession(
+            name=cfg.active_name,
+            session=session,
+            min_group=cfg.min_group,
+            frac_bits=cfg.frac_bits,
+            bound=cfg.bound,
+            ckks_release=release,
+        )
+        stage_cls = backend(cfg.aggregation).active
+        self.stage = (
+            stage_cls(sum_session, key_holder=self.key_holder)
+            if cfg.aggregation == "ckks"
+            else stage_cls(sum_session)
+        )
+        from securevfl.roles.guard import auth_key
+
+        # one call-authentication key per party, which the aggregator cannot derive
+        self._auth_keys = (
+            {
+                p: auth_key(
+                    keypair=mask_keypair,
+                    me=cfg.active_name,
+                    peer=p,
+                    peer_public=self.mask_publics[p],
+                    session=session,
+                )
+                for p in cfg.party_names
+            }
+            if mask_keypair is not None
+            else {}
+        )
+        self.auth_seconds = 0.0  # time spent tagging calls (reported in metrics.json)
+        self.lost: list[str] = []
+        self.epoch_seconds: list[float] = []
+        self.history: list[dict[str, float]] = []
+        self._epoch_started = time.perf_counter()
+        self._presence: np.ndarray | None = None
+        # which of the active party's rows each party holds, known from a PSI (`securevfl align`)
+        self.shared: dict[str, np.ndarray] | None = None
+
+    # --- ActiveContext
+
+    @property
+    def parties(self) -> tuple[str, ...]:
+        return self._parties
+
+    def log(self, message: str) -> None:
+        self.logger.info("%s", message)
+
+    def sum_allowed(self, group: Sequence[str]) -> bool:
+        return group_allowed(self.config, group)
+
+    def call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
+    ) -> dict[str, np.ndarray]:
+        for spec in sums:  # the one check of the active party, before anything is sent
+            check_group(self.config, spec.group, key=spec.key, what=f"method op {op!r}")
+        if to is None:
+            to = sorted({p for s in sums for p in s.group}) or list(self._parties)
+        self.round += 1
+        call = Call(
+            op=op,
+            round=self.round,
+            session=self.session_hex,
+            ids=np.asarray(ids, dtype=np.int64),
+            args=dict(args or {}),
+            inputs=dict(inputs or {}),
+            sums=tuple(sums),
+            to=tuple(to),
+            collect=tuple(collect),
+        )
+        env = call.envelope(sender=self.config.active_name)
+        started = time.perf_counter()
+        env.meta["auth"] = call_tags(
+            env.meta,
+            session=self.session,
+            round=call.round,
+            tensors=env.tensors,
+            keys={p: self._auth_keys[p] for p in call.to if p in self._auth_keys},
+        )
+        self.auth_seconds += time.perf_counter() - started
+        result = self.exchange(env)
+        if result.meta.get("refused"):
+            refused = result.meta["refused"]
+            raise RunAborted(
+                f"round {call.round} ({op}) was refused by a party's release policy: {refused}; "
+                "nothing was released (see that party's log and the ledger)",
+                refused=True,
+            )
+        if result.meta.get("lost"):
+            self._lose(result, op)
+        shapes = result.meta.get("shapes", {})
+        out = {}
+        for spec in sums:
+            out[spec.key] = self.stage.reveal(
+                sum_arrays(result.tensors, spec.key),
+                group=spec.group,
+                key=spec.key,
+                shape=tuple(shapes[spec.key]),
+            )
+        for name in collect:
+            for party in to:
+                out[f"{name}@{party}"] = result.tensors[f"{name}@{party}"]
+        return out
+
+    def _lose(self, result: Envelope, op: str) -> None:
+        named = [str(p) for p in result.meta["lost"]]
+        lost = [p for p in named if p in self._parties]
+        self._parties = tuple(p for p in self._parties if p not in lost)
+        self.lost.extend(lost)
+        self.logger.warning(
+            "party %s was lost during round %d (%s); continuing with %s",
+            lost,
+            self.round,
+            op,
+            list(self._parties),
+        )
+        if self.out is not None:
+            print(
+                f"party {', '.join(lost)} lost; continuing with {', '.join(self._parties)}",
+                file=self.out,
+                flush=True,
+            )
+        raise PartyDropped(
+            lost[0] if lost else named[0], delivered=bool(result.meta.get("delivered", False))
+        )
+
+    def presence(self, ids: np.ndarray) -> np.ndarray:
+        return self._presence[self.method.table.positions(ids)]
+
+    def set_presence(self, held: Mapping[str, np.ndarray]) -> None:
+        n = len(self.method.table.ids)
+        for party, flags in held.items():
+            if flags.dtype != np.bool_ or flags.shape != (n,):
+                raise RunAborted(
+                    f"{party} answered set-up with a malformed row-presence vector "
+                    f"({flags.dtype}, shape {flags.shape}; expected bool of shape ({n},))",
+                    lost=party,
+                )
+        self._presence = np.stack(
+            [np.asarray(held[p], dtype=bool) for p in self.config.party_names], axis=1
+        )
+
+    def release_gradients(
+        self, grads: Mapping[str, np.ndarray], *, epoch: int, ids: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """Label DP on per-sample gradient rows about to leave: each row clipped jointly over
+        every entry of ``grads`` and noised, after the budget check and the ledger event."""
+        arrays = {k: np.asarray(v, dtype=np.float32) for k, v in grads.items()}
+        if self.privacy is None or not arrays:
+            return arrays
+        return self.privacy.release_gradients(arrays, ids=ids, epoch=epoch)
+
+    def return_gradients(
+        self,
+        grads: Mapping[tuple[str, ...], Mapping[str, np.ndarray]],
+        *,
+        ids: np.ndarray,
+        epoch: int,
+        op: str = "backward",
+    ) -> None:
+        """Send gradients of a batch-mean loss to the parties: ``grads[group][tensor]`` goes to
+        every party of `group` (one call per group). Owns the batch-size convention: rows are
+        scaled to per-sample gradients (x B), pass label DP together (one joint clip per row),
+        and are scaled back (/ B). A party lost meanwhile is skipped; an update that reached the
+        others is never sent twice."""
+        n = len(ids)
+        names = {group: "+".join(group) for group in grads}
+        flat = {
+            f"{names[group]}/{t}": np.asarray(g) * n
+            for group, tensors in grads.items()
+            for t, g in tensors.items()
+        }
+        released = self.release_gradients(flat, epoch=epoch, ids=ids)
+        for group, tensors in grads.items():
+            inputs = {
+                t: np.asarray(released[f"{names[group]}/{t}"], dtype=np.float32) / n
+                for t in tensors
+            }
+            alive = [p for p in group if p in self._parties]
+            while alive:
+                try:
+                    self.call(op, ids=ids, inputs=inputs, to=alive)
+                    break
+                except PartyDropped as exc:
+                    if exc.delivered:  # the survivors have applied it: never twice
+                        break
+                    alive = [p for p in alive if p in self._parties]
+
+    def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
+        """Commit an epoch: every party saves its checkpoint, then the active party."""
+        self.epoch_seconds.append(time.perf_counter() - self._epoch_started)
+        self.history.append({"epoch": epoch, **{k: float(v) for k, v in stats.items()}})
+        self.call(
+            P.OP_CHECKPOINT,
+            ids=np.empty(0, dtype=np.int64),
+            args={"epoch": epoch},
+            to=self._parties,
+        )
+        save_checkpoint(
+            self.run_dir,
+            self.config.active_name,
+            epoch,
+            {
+                "method": self.method.state_dict(),
+                "encoding": self.method.table.encoding_state(),
+                "epoch_seconds": list(self.epoch_seconds),
+                "history": [dict(h) for h in self.history],
+                "round": self.round,
+            },
+        )
+        parts = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
+        total = self.method.progress_total
+        step = f"{self.method.progress_unit} {epoch + 1}" + (f"/{total}" if total else "")
+        line = f"{step}  {parts}  ({self.epoch_seconds[-1]:.2f} s)"
+        if self.privacy is not None and self.privacy.plan.mechanisms:
+            spent = ", ".join(f"{m} {e:.3g}" for m, e in self.privacy.spent().items())
+            line += f"  epsilon spent: {spent} (delta {self.privacy.delta:g})"
+        if self.out is not None:
+            print(line, file=self.out, flush=True)
+        self.logger.info("%s", line)
+        self._epoch_started = time.perf_counter()
+
+    # --- a run
+
+    def start(self, *, train_ids: np.ndarray, ledger: Any) -> None:
+        """The active party's privacy plan (N = the training rows the parties are told of)."""
+        from securevfl.privacy.runtime import RolePrivacy, plan_role
+
+        cfg = self.config
+        self.privacy = RolePrivacy(
+            plan=plan_role(cfg, role=cfg.active_name, n_train=len(train_ids)), ledger=ledger
+        )
+        self.privacy.set_rows(self.method.table.ids)
+        self.method.privacy = self.privacy
+
+    def setup(self, *, train_ids: np.ndarray, scoring: bool = False) -> None:
+        """The set-up round: every party learns the training rows (and, with ckks, receives the
+        authenticated public context); each answers which of the active party's rows it holds.
+        `scoring`: a trained model (the checkpoint of epoch start_epoch - 1) scores new rows."""
+        cfg = self.config
+        inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
+        # what the active party runs: each party compares it with its own config
+        run = {"method": cfg.method, "aggregation": cfg.aggregation, "min_group": cfg.min_group}
+        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run}
+        if scoring:
+            args["predict"] = True
+        if self.ckks_context is not None:
+            inputs["ckks_context"] = np.frombuffer(self.ckks_context, dtype=np.uint8)
+            args["ckks_tags"] = {
+                p: ckks_context_tag(
+                    context=self.ckks_context,
+                    my_keypair=self.mask_keypair,
+                    me=cfg.active_name,
+                    peer=p,
+                    peer_public=self.mask_publics[p],
+                    session=self.session,
+                ).hex()
+                for p in self.parties
+            }
+        if self.shared is None:
+            held = self.call(
+                P.OP_SETUP,
+                ids=np.empty(0, dtype=np.int64),
+                args=args,
+                inputs=inputs,
+                to=self.parties,
+                collect=["present"],
+            )
+            self.set_presence({p: held[f"present@{p}"] for p in self.parties})
+            return
+        # aligned by PSI: each party learns only the ids it shares with the label holder
+        table_ids = self.method.table.ids
+        for p in self.parties:
+            mine = table_ids[self.shared[p]]
+            own = {**inputs, "all_ids": mine, "train_ids": np.intersect1d(train_ids, mine)}
+            held = self.call(
+                P.OP_SETUP,
+                ids=np.empty(0, dtype=np.int64),
+                args=args,
+                inputs=own,
+                to=[p],
+                collect=["present"],
+            )[f"present@{p}"]
+            if held.shape != mine.shape or not held.all():
+                raise RunAborted(
+                    f"{p} does not hold every row the alignment says it shares; run `securevfl "
+                    "align` again with the current files",
+                    lost=p,
+                )
+        self.set_presence({p: self.shared[p] for p in self.parties})
+
+    def held_rows(self, ids: np.ndarray) -> np.ndarray:
+        """`ids` without the rows no passive party holds."""
+        return ids[self.presence(ids).any(axis=1)]
+
+
+def train_and_evaluate(
+    ctx: ActiveRound, *, train_ids: np.ndarray, test_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Set-up, training and evaluation of the method over `ctx`; returns the training and test
+    rows used (rows no passive party holds are dropped) and the test metrics."""
+    ctx.setup(train_ids=train_ids)
+    anyone = ctx.presence(ctx.method.table.ids).any(axis=1)
+    if not anyone.all():
+        ctx.logger.info(
+            "%d rows are held by no passive party and are dropped", int((~anyone).sum())
+        )
+        train_ids, test_ids = ctx.held_rows(train_ids), ctx.held_rows(test_ids)
+    table = ctx.method.table
+    if not method_spec(ctx.config.method).uses_unlabeled:  # a labeled budget: labeled rows only
+        train_ids = train_ids[table.labeled(train_ids)]
+    ctx._epoch_started = time.perf_counter()
+    ctx.method.fit(ctx, train_ids=train_ids)
+    test = ctx.method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}
+    return train_ids, test_ids, test
+
+
+def score(ctx: ActiveRound) -> tuple[np.ndarray, np.ndarray]:
+    """A trained model scoring the active party's rows: set-up in scoring mode, then the
+    method's `predict` on the rows some passive party holds. Returns (ids, outputs)."""
+    ids = ctx.method.table.ids
+    ctx.setup(train_ids=ids, scoring=True)
+    ids = ctx.held_rows(ids)
+    return ids, np.asarray(ctx.method.predict(ctx, ids=ids))
