@@ -159,8 +159,9 @@ class DirectFederation(ActiveRound):
 
             self.shared = load_presence(cfg.presence_path, self.active_table, cfg.party_names)
         self.setup(train_ids=self.train_ids)
-        self.train_ids = self.held_rows(self.train_ids)
-        self.test_ids = self.held_rows(self.test_ids)
+        if not spec.uses_unheld_rows:
+            self.train_ids = self.held_rows(self.train_ids)
+            self.test_ids = self.held_rows(self.test_ids)
 
     @staticmethod
     def _last(run_dir: Path, cfg: Any) -> int:

@@ -303,6 +303,9 @@ class MethodSpec:
     # trains on training rows without a label too (with [missing] labeled; otherwise the
     # active party leaves them out of `fit`)
     uses_unlabeled: bool = False
+    # trains on rows that no passive party holds (the label and the active party's own columns
+    # only): a method that models missing blocks (VFEM) uses them, the others drop them
+    uses_unheld_rows: bool = False
     # a small federation to run the method on (`securevfl.methods.examples`): writes its data
     # into a folder and returns the raw config; the shared conformance suite runs it
     example: Callable[[Path], dict[str, Any]] | None = None

@@ -394,7 +394,11 @@ def train_and_evaluate(
     rows used (rows no passive party holds are dropped) and the test metrics."""
     ctx.setup(train_ids=train_ids)
     anyone = ctx.presence(ctx.method.table.ids).any(axis=1)
-    if not anyone.all():
+    if not anyone.all() and method_spec(ctx.config.method).uses_unheld_rows:
+        ctx.logger.info(
+            "%d rows are held by no passive party; the method uses them", int((~anyone).sum())
+        )
+    elif not anyone.all():
         ctx.logger.info(
             "%d rows are held by no passive party and are dropped", int((~anyone).sum())
         )

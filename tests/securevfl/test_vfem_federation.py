@@ -206,11 +206,13 @@ def test_active_block_holdout_and_single_party_fit(tmp_path):
     ids = np.arange(1, len(y) + 1)
     train, _ = train_test_split(ids, test_fraction=0.25, seed=0)
     rows = np.isin(ids, train)
-    # the federation drops rows no passive party holds (the active party's block alone)
+    # VFEM uses every training row, those only the active party's block has too
+    every = RegressionData.from_blocks(y[rows], [b[rows] for b in blocks])
+    # the OLS comparators drop rows no passive party holds
     rows &= ~np.isnan(blocks[1][:, 0]) | ~np.isnan(blocks[2][:, 0])
     data = RegressionData.from_blocks(y[rows], [b[rows] for b in blocks])
     est, se = estimates(metrics)
-    beta, se_ref, _ = reference_vfem(data)
+    beta, se_ref, _ = reference_vfem(every)
     assert np.max(np.abs(est - beta)) < 1e-6
     assert np.max(np.abs(se / se_ref - 1)) < 1e-4
     assert metrics["coefficients"][1]["party"] == "active"
@@ -252,7 +254,7 @@ def test_missingness_generator_without_intercept(tmp_path):
         held.append(np.isin(np.arange(1, 501), ids))
     held = np.stack(held, axis=1)
     assert 0.2 < 1 - held.mean() < 0.4
-    rows = held.any(axis=1)
+    rows = np.ones(500, dtype=bool)  # VFEM uses the rows no party holds too (y only)
     masked = [np.where(held[:, [k]], b, np.nan)[rows] for k, b in enumerate(blocks)]
     beta, se_ref, _ = reference_vfem(RegressionData.from_blocks(y[rows], masked, intercept=False))
     est, se = estimates(metrics)
@@ -377,3 +379,22 @@ def test_resume_after_a_crash_gives_the_same_estimates(tmp_path, monkeypatch):
     est_ref, se_ref = estimates(reference)
     assert np.max(np.abs(est - est_ref)) < 1e-9
     assert np.max(np.abs(se / se_ref - 1)) < 1e-5
+
+
+def test_rows_with_only_the_response_are_used_as_the_mle_uses_them(tmp_path):
+    """Rows no passive party holds (only y at the active party) carry information about the
+    intercept and sigma^2 in the observed-data likelihood: VFEM keeps them, and its estimates
+    and standard errors are those of the full-data maximum-likelihood fit (closed form plus
+    observed information, computed here without the federation)."""
+    y, blocks = simulate(600, (0.2, 0.4, 0.6), seed=21)
+    only_y = np.arange(0, 600, 7)  # about 14 % of the rows: every block missing
+    for block in blocks:
+        block[only_y] = np.nan
+    code, metrics, _, _ = run(tmp_path, y, blocks, name="only-y", **{"method.tol_loss": 1e-14})
+    assert code == 0
+    assert metrics["fit"]["n"] == 600  # every row used, none dropped
+    data = RegressionData.from_blocks(y, blocks)
+    mle = fit_mle(data, beta_start=cc_ols(data).coef)
+    est, se = estimates(metrics)
+    assert np.max(np.abs(est - mle["beta"]) / np.maximum(np.abs(mle["beta"]), 1.0)) < 1e-6
+    assert np.max(np.abs(se / mle["se"] - 1)) < 0.01

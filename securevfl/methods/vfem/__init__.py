@@ -211,5 +211,6 @@ SPEC = MethodSpec(
     description="VFEM: federated EM linear regression with missing blocks, SEM standard errors",
     checks=(check_regression,),
     secure_defaults=SECURE_DEFAULTS,
+    uses_unheld_rows=True,
     example=partial(examples.regression, method="vfem", p_missing=0.2, clear_releases=VFEM_CLEAR),
 )
