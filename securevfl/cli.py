@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("runs/demo"))
     demo.add_argument("--aggregation", default="mask", choices=["plain", "mask", "ckks"])
 
+    example = sub.add_parser(
+        "example", help="write one of the shipped example configs (list them without a name)"
+    )
+    example.add_argument("name", nargs="?", help="e.g. credit-laser, breast-cancer, vfem-simulated")
+    example.add_argument("--out", type=Path, default=Path("."), help="directory to write it to")
+
     align = sub.add_parser(
         "align",
         help="private set intersection of each party's ids with the label holder's (PSI)",
@@ -215,6 +221,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _methods(args)
     if args.command == "align":
         return _align(args)
+    if args.command == "example":
+        return _example(args)
     if args.command == "predict":
         from securevfl.launcher import score_rows
 
@@ -252,6 +260,27 @@ def _check_privacy(cfg: RunConfig) -> None:
         stratify=stratified(cfg),
     )
     check_federation(cfg, n_train=len(train))
+
+
+def _example(args: argparse.Namespace) -> int:
+    """Copy a shipped example config (package data) and say where its data must go."""
+    shipped = {p.stem.replace("_", "-"): p for p in sorted(EXAMPLES.glob("*.toml"))}
+    if args.name is None:
+        for name, path in shipped.items():
+            print(f"{name:<16} {path.read_text().splitlines()[0].lstrip('# ')}")
+        return P.EXIT_OK
+    if args.name not in shipped:
+        raise ConfigError(
+            "example NAME", f"unknown example {args.name!r}; known: {sorted(shipped)}"
+        )
+    source = shipped[args.name]
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = args.out / source.name
+    target.write_text(source.read_text())
+    data = tomllib.loads(source.read_text()).get("data", {}).get("path", "data.csv")
+    print(f"wrote {target}; put the table at {(args.out / data).resolve()} (or edit [data] path),")
+    print(f"then: securevfl run {target} --out {args.out / 'run'}")
+    return P.EXIT_OK
 
 
 def _align(args: argparse.Namespace) -> int:

@@ -1,0 +1,75 @@
+"""The installable package: a wheel with the three top-level packages, the example configs as
+package data and the `securevfl` command; a clash with another distribution's `crypto` or
+`transport` is refused at import with a message; `securevfl example` writes a config."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_carries_the_packages_the_examples_and_the_command(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    wheel = next(tmp_path.glob("securevfl-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for wanted in (
+        "securevfl/cli.py",
+        "crypto/psi.py",
+        "transport/hub.py",
+        "securevfl/examples/credit_laser.toml",
+        "securevfl/methods/ridge.py",
+    ):
+        assert wanted in names, wanted
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "securevfl = securevfl.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_a_foreign_crypto_package_is_refused_at_import(tmp_path):
+    (tmp_path / "crypto").mkdir()
+    (tmp_path / "crypto" / "__init__.py").write_text("# someone else's crypto\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "import securevfl"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"},
+    )
+    assert done.returncode != 0
+    assert "another installed distribution also provides 'crypto'" in done.stderr
+
+
+def test_securevfl_example_writes_a_runnable_config(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", "example", "vfem-simulated", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "vfem_simulated.toml").exists() and "put the table at" in done.stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "securevfl", "example"], capture_output=True, text=True, cwd=REPO
+    )
+    assert "credit-laser" in listing.stdout and "breast-cancer" in listing.stdout
