@@ -5,7 +5,13 @@ pickled. The aggregator binds a :class:`Hub` (ROUTER); every other role connects
 :class:`Peer` (DEALER). Only NumPy, msgpack and pyzmq are used here: no ML, no crypto.
 """
 
-from transport.curve import Allowlist, AllowlistAuthenticator, CurveKeyPair, start_authenticator
+from transport.curve import (
+    Allowlist,
+    AllowlistAuthenticator,
+    CurveKeyPair,
+    key_fingerprint,
+    start_authenticator,
+)
 from transport.envelope import (
     ALLOWED_DTYPES,
     PROTOCOL_VERSION,
@@ -15,7 +21,7 @@ from transport.envelope import (
     pack,
     unpack,
 )
-from transport.errors import KeyRefused, PeerLost, ReceiveTimeout, TransportError
+from transport.errors import HandshakeFailed, KeyRefused, PeerLost, ReceiveTimeout, TransportError
 from transport.hub import Hub
 from transport.peer import Peer
 from transport.sockets import HEARTBEAT_KIND, HELLO_KIND, RESERVED_KINDS
@@ -29,6 +35,7 @@ __all__ = [
     "EnvelopeError",
     "HEARTBEAT_KIND",
     "HELLO_KIND",
+    "HandshakeFailed",
     "Hub",
     "KeyRefused",
     "Limits",
@@ -38,6 +45,7 @@ __all__ = [
     "RESERVED_KINDS",
     "ReceiveTimeout",
     "TransportError",
+    "key_fingerprint",
     "pack",
     "start_authenticator",
     "unpack",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -13,7 +14,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from transport.errors import TransportError
+from transport.errors import TransportError, quote
 
 Z85_KEY_LENGTH = 40
 ROLE_NAME_MAX = 200
@@ -31,6 +32,23 @@ def _as_key(value: Any, what: str) -> bytes:
     except (ValueError, KeyError, IndexError) as exc:
         raise ValueError(f"{what} is not valid z85: {exc}") from exc
     return value
+
+
+def key_fingerprint(public: bytes | str) -> str:
+    """A short, stable name for a CURVE public key: ``SHA256:`` and 16 hex digits.
+
+    Both sides print it (the hub when it refuses a key, the peer when it is refused), so an
+    operator can match the two logs. A value that is not a z85 key gets ``SHA256:?``.
+    """
+    if isinstance(public, str):
+        public = public.encode("ascii", "replace")
+    try:
+        raw = z85.decode(public) if len(public) == Z85_KEY_LENGTH else public
+    except (ValueError, KeyError, IndexError, TypeError):
+        return "SHA256:?"
+    if len(raw) != 32:
+        return "SHA256:?"
+    return "SHA256:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
 def check_role_name(name: Any) -> str:
@@ -149,7 +167,14 @@ class AllowlistAuthenticator(ThreadAuthenticator):
 
     The authenticated ZMQ ``User-Id`` of a connection is its role name, so a receiver reads
     ``frame.get("User-Id")`` to learn who really sent a message. Unknown keys are refused and
-    logged at WARNING (once per key per minute; repeats at DEBUG).
+    logged at WARNING (once per key per minute; repeats at DEBUG) with the key, its
+    :func:`key_fingerprint` and the client's address.
+
+    It cannot log the role a refused client claims: a ZAP request carries only the domain,
+    the client's IP address, the server's own routing id and the client's public key, and
+    the client's routing id (where its role name is) arrives only after ZAP has answered.
+    Instead the warning lists the allowlisted roles that have not connected yet (the hub
+    keeps :attr:`connected` up to date), one of which is most likely the refused client.
     """
 
     def __init__(
@@ -159,9 +184,17 @@ class AllowlistAuthenticator(ThreadAuthenticator):
         self.allowlist = allowlist
         self.logger = logger
         self.refused = 0
+        # roles whose connection the hub has seen; replaced whole, so reading it is thread-safe
+        self.connected: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._last_warned: dict[bytes, float] = {}
+        self._address = "?"
         self.configure_curve_callback(domain="*", credentials_provider=self)
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        # remember the client's address for callback(), which pyzmq calls with the key only
+        self._address = msg[3].decode("ascii", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP credentials check for one connection; ``key`` is the client's z85 public key."""
@@ -173,12 +206,20 @@ class AllowlistAuthenticator(ThreadAuthenticator):
             last = self._last_warned.get(key)
             loud = last is None or now - last >= _REFUSAL_LOG_WINDOW_S
             if loud:
+                if len(self._last_warned) > 4096:  # many distinct keys: forget the oldest
+                    self._last_warned.pop(next(iter(self._last_warned)))
                 self._last_warned[key] = now
+        absent = sorted(set(self.allowlist) - self.connected)
         self.logger.log(
             logging.WARNING if loud else logging.DEBUG,
-            "refused a connection: peer with CURVE key %s is not in the federation allowlist; "
-            "add it with `securevfl keys` or check the keys directory",
-            key.decode("ascii", "replace"),
+            "refused a connection from %s: peer with CURVE key %s (%s) is not in the federation "
+            "allowlist; the role it claims cannot be known before authentication (roles not "
+            "connected yet: %s); add its key with `securevfl keys` or give that role this "
+            "federation's keys directory",
+            quote(self._address, 60),
+            quote(key.decode("ascii", "replace"))[1:-1],
+            key_fingerprint(key),
+            absent or "none",
         )
         return False
 

@@ -8,6 +8,12 @@ The header is a msgpack map with exactly these fields::
 Tensor frames hold the C-order, little-endian bytes of each array, in descriptor order.
 Nothing on the wire is ever unpickled: the header is msgpack without extension types and
 tensors are rebuilt with ``np.frombuffer`` from a dtype allowlist.
+
+The decoder is total: for any input whatsoever, :func:`unpack` either returns a valid
+:class:`Envelope` or raises :class:`EnvelopeError`; every limit is checked on the whole
+message (frames, bytes, header size, tensors, rank, dimensions) before anything is decoded,
+allocated or copied. Peer-supplied values in error reasons are quoted and cut, so a reason
+can go into a log line as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from transport.errors import one_line, quote
+
 PROTOCOL_VERSION = 1
 ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "uint64", "uint8", "bool"})
 
@@ -31,6 +39,17 @@ MAX_NAME_CHARS = 255
 MAX_META_DEPTH = 32
 _MAX_UINT64 = 2**64 - 1
 _MAX_INT64 = 2**63 - 1
+# bounds on Limits themselves: NumPy 1.x arrays have at most 32 dimensions, and sizes must
+# stay far from numpy's intp overflow whatever the shape
+_NUMPY_MAX_NDIM = 32
+_LIMIT_CEILINGS = {
+    "max_message_bytes": 2**40,
+    "max_header_bytes": 2**40,
+    "max_tensors": 2**16,
+    "max_ndim": _NUMPY_MAX_NDIM,
+    "max_pending_messages": 2**20,
+    "max_pending_bytes": 2**44,
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -38,11 +57,15 @@ def _is_int(value: Any) -> bool:
 
 
 class EnvelopeError(ValueError):
-    """An envelope is malformed or breaks a limit; ``reason`` is a sentence saying what."""
+    """An envelope is malformed or breaks a limit; ``reason`` is a sentence saying what.
+
+    The reason is one printable ASCII line of bounded length (see ``errors.one_line``), so it
+    can be logged as it is even when it quotes what a peer sent.
+    """
 
     def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(reason)
+        self.reason = one_line(str(reason))
+        super().__init__(self.reason)
 
 
 @dataclass
@@ -65,18 +88,46 @@ class Envelope:
 
 @dataclass(frozen=True)
 class Limits:
-    """Receive limits; a message beyond any of them is rejected, never half-read."""
+    """Receive limits, per message; a message beyond any of them is rejected, never half-read.
+
+    ``max_message_bytes`` bounds the sum of all of a message's frames (header included),
+    ``max_tensors`` its tensors and so its frames (``max_frames = max_tensors + 1``),
+    ``max_ndim`` each tensor's rank, and every dimension and every shape's extent (its
+    product with zero dimensions counted as 1) must fit in ``max_message_bytes`` too.
+    ``max_pending_messages`` / ``max_pending_bytes`` bound what a hub keeps queued for
+    :meth:`Hub.recv` from any one role (``None``: four times ``max_message_bytes``).
+    Construction refuses values that are not positive ints or exceed what NumPy and libzmq
+    can honour (e.g. ``max_ndim > 32``).
+    """
 
     max_message_bytes: int = 512 * 2**20
     max_header_bytes: int = 1 * 2**20
     max_tensors: int = 256
     max_ndim: int = 8
+    max_pending_messages: int = 1024
+    max_pending_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_header_bytes", "max_tensors", "max_ndim"):
+        for name, ceiling in _LIMIT_CEILINGS.items():
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+            if name == "max_pending_bytes" and value is None:
+                continue
+            if not _is_int(value) or not 1 <= value <= ceiling:
+                raise ValueError(
+                    f"Limits.{name} must be a positive int of at most {ceiling}, got {value!r}"
+                )
+
+    @property
+    def max_frames(self) -> int:
+        """Most frames one message may have: the header plus one per tensor."""
+        return self.max_tensors + 1
+
+    @property
+    def pending_bytes_cap(self) -> int:
+        """``max_pending_bytes``, or four times ``max_message_bytes`` when it is None."""
+        if self.max_pending_bytes is None:
+            return 4 * self.max_message_bytes
+        return self.max_pending_bytes
 
     @property
     def hard_frame_cap(self) -> int:
@@ -101,7 +152,8 @@ def pack(env: Envelope, *, limits: Limits | None = None) -> list[bytes | memoryv
     are copied to C-order little-endian first), so an array must not be modified until the
     message has left. Refuses (``EnvelopeError``) tensors that are not NumPy arrays or whose
     dtype is not in ``ALLOWED_DTYPES``, meta that is not plain data, bad field types, and,
-    when ``limits`` is given, a message the receiver would reject for its size.
+    when ``limits`` is given, a message the receiver would reject for its size, tensor count,
+    rank or shape.
     """
     _check_str("kind", env.kind, nonempty=True)
     _check_str("sender", env.sender)
@@ -166,6 +218,9 @@ def pack(env: Envelope, *, limits: Limits | None = None) -> list[bytes | memoryv
                 f"the message is {total} bytes, above the limit of {limits.max_message_bytes}; "
                 "send it in smaller batches"
             )
+        for descriptor in descriptors:  # what the receiver's _check_descriptor will refuse
+            itemsize = np.dtype(descriptor["dtype"]).itemsize
+            _check_shape(descriptor["name"], descriptor["shape"], itemsize, limits)
     return [header, *buffers]
 
 
@@ -182,9 +237,15 @@ def unpack(
     types, ``version == PROTOCOL_VERSION``, ``kind`` in ``kinds``, ``session`` equal to
     ``session`` when that is given, non-negative int ``round`` and ``seq``, plain-data meta,
     and one frame per tensor descriptor whose length is ``prod(shape) * itemsize`` for an
-    allowed dtype, unique names, ``ndim <= limits.max_ndim``, total size within limits.
-    Tensors are read-only ``np.frombuffer`` views of the frames (no copy). Refuses anything
-    else with ``EnvelopeError`` whose ``reason`` names the problem.
+    allowed dtype, unique names, ``ndim <= limits.max_ndim``, every dimension and the
+    shape's extent within ``limits.max_message_bytes``, total size within limits.
+    Tensors are read-only ``np.frombuffer`` views of the frames (no copy).
+
+    Refuses anything else with ``EnvelopeError`` whose ``reason`` names the problem, and
+    never raises anything else for any ``frames`` (only a ``kinds`` that is one str, a
+    programming error, raises ``TypeError``). The frame count and total size are checked
+    before any frame is read, the header size before it is decoded, and every descriptor
+    before any tensor is built.
     """
     if isinstance(kinds, str):
         raise TypeError("kinds must be a collection of kind names, not one str")
@@ -192,15 +253,15 @@ def unpack(
         raise EnvelopeError("frames must be a sequence of byte frames (header first)")
     if len(frames) == 0:
         raise EnvelopeError("the message has no frames; a header frame is required")
-    if len(frames) - 1 > limits.max_tensors:
+    if len(frames) > limits.max_frames:
         raise EnvelopeError(
             f"the message has {len(frames) - 1} tensor frames, above the limit of "
             f"{limits.max_tensors}"
         )
     try:
         views = [_byte_view(f) for f in frames]
-    except TypeError as exc:
-        raise EnvelopeError(f"a frame is not a byte buffer: {exc}") from exc
+    except (TypeError, ValueError, BufferError) as exc:
+        raise EnvelopeError(f"a frame is not a byte buffer: {quote(str(exc))}") from exc
     total = sum(v.nbytes for v in views)
     if total > limits.max_message_bytes:
         raise EnvelopeError(
@@ -217,35 +278,47 @@ def unpack(
     kind = header["kind"]
     if kind not in kinds:
         raise EnvelopeError(
-            f"message kind {kind!r} is not one of the expected kinds {sorted(kinds)}"
+            f"message kind {quote(kind)} is not one of the expected kinds {sorted(kinds)}"
         )
     if session is not None and header["session"] != session:
         raise EnvelopeError(
-            f"message belongs to session {header['session']!r}, not the current session {session!r}"
+            f"message belongs to session {quote(header['session'])}, not the current session "
+            f"{quote(session)}"
         )
 
     descriptors = header["tensors"]
+    if len(descriptors) > limits.max_tensors:
+        raise EnvelopeError(
+            f"the header describes {len(descriptors)} tensors, above the limit of "
+            f"{limits.max_tensors}"
+        )
     if len(descriptors) != len(views) - 1:
         raise EnvelopeError(
             f"the header describes {len(descriptors)} tensors but {len(views) - 1} tensor "
             "frames arrived"
         )
+    # every descriptor is checked before any tensor is built
+    checked = [_check_descriptor(d, i, limits) for i, d in enumerate(descriptors)]
     tensors: dict[str, np.ndarray] = {}
-    for index, (descriptor, view) in enumerate(zip(descriptors, views[1:], strict=True)):
-        name, dtype_name, shape = _check_descriptor(descriptor, index, limits)
+    for (name, dtype_name, shape), view in zip(checked, views[1:], strict=True):
         if name in tensors:
-            raise EnvelopeError(f"tensor name {name!r} appears twice")
+            raise EnvelopeError(f"tensor name {quote(name)} appears twice")
         dtype = _wire_dtype(dtype_name)
         expected = math.prod(shape) * dtype.itemsize
         if expected != view.nbytes:
             raise EnvelopeError(
-                f"tensor {name!r} ({dtype_name}, shape {tuple(shape)}) needs {expected} bytes "
-                f"but its frame has {view.nbytes}"
+                f"tensor {quote(name)} ({dtype_name}, shape {tuple(shape)}) needs {expected} "
+                f"bytes but its frame has {view.nbytes}"
             )
         # numpy would keep a non-canonical bool byte (e.g. 0x02) and compare it oddly
         if dtype_name == "bool" and view.nbytes and int(np.frombuffer(view, np.uint8).max()) > 1:
-            raise EnvelopeError(f"bool tensor {name!r} holds bytes other than 0 and 1")
-        array = np.frombuffer(view, dtype=dtype).reshape(shape)
+            raise EnvelopeError(f"bool tensor {quote(name)} holds bytes other than 0 and 1")
+        try:
+            array = np.frombuffer(view, dtype=dtype).reshape(shape)
+        except (ValueError, TypeError) as exc:  # unreachable after the checks above; kept total
+            raise EnvelopeError(
+                f"tensor {quote(name)} cannot be rebuilt: {quote(str(exc))}"
+            ) from exc
         array.flags.writeable = False
         tensors[name] = array
 
@@ -293,7 +366,7 @@ def _check_uint(what: str, value: Any, maximum: int) -> None:
     if not _is_int(value):
         raise EnvelopeError(f"{what} must be an int, got {type(value).__name__}")
     if value < 0 or value > maximum:
-        raise EnvelopeError(f"{what} must be between 0 and {maximum}, got {value}")
+        raise EnvelopeError(f"{what} must be between 0 and {maximum}, got {quote(value)}")
 
 
 def _check_plain(value: Any, where: str, depth: int) -> None:
@@ -311,7 +384,7 @@ def _check_plain(value: Any, where: str, depth: int) -> None:
                 raise EnvelopeError(
                     f"{where} has a key of type {type(key).__name__}; keys must be str"
                 )
-            _check_plain(item, f"{where}[{key!r}]", depth + 1)
+            _check_plain(item, f"{where}[{quote(key, 40)}]", depth + 1)
         return
     raise EnvelopeError(
         f"{where} is a {type(value).__name__}; meta holds only str, int, float, bool, None, "
@@ -333,7 +406,7 @@ def _decode_header(view: memoryview) -> dict[str, Any]:
         raise
     except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
         raise EnvelopeError(
-            f"the header frame is not valid msgpack: {type(exc).__name__}: {exc}"
+            f"the header frame is not valid msgpack: {type(exc).__name__}: {quote(str(exc))}"
         ) from exc
     if not isinstance(header, dict):
         raise EnvelopeError(f"the header must be a msgpack map, got {type(header).__name__}")
@@ -342,7 +415,7 @@ def _decode_header(view: memoryview) -> dict[str, Any]:
     version = header["version"]
     if not _is_int(version) or version != PROTOCOL_VERSION:
         raise EnvelopeError(
-            f"protocol version {version!r} is not supported (this side speaks version "
+            f"protocol version {quote(version)} is not supported (this side speaks version "
             f"{PROTOCOL_VERSION}); run the same securevfl version on every role"
         )
     keys = set(header)
@@ -351,7 +424,9 @@ def _decode_header(view: memoryview) -> dict[str, Any]:
         raise EnvelopeError(f"the header is missing field(s) {sorted(missing)}")
     extra = keys - HEADER_FIELDS
     if extra:
-        raise EnvelopeError(f"the header has unexpected field(s) {sorted(map(str, extra))}")
+        shown = sorted(quote(k, 40) for k in extra)
+        listed = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+        raise EnvelopeError(f"the header has unexpected field(s) [{listed}]")
     _check_str("kind", header["kind"], nonempty=True)
     _check_str("sender", header["sender"])
     _check_str("session", header["session"])
@@ -381,21 +456,43 @@ def _check_descriptor(descriptor: Any, index: int, limits: Limits) -> tuple[str,
     _check_str(f"tensor descriptor #{index} name", name, nonempty=True)
     if not isinstance(dtype_name, str) or dtype_name not in ALLOWED_DTYPES:
         raise EnvelopeError(
-            f"tensor {name!r} has dtype {dtype_name!r}, which is not in the allowlist "
+            f"tensor {quote(name)} has dtype {quote(dtype_name)}, which is not in the allowlist "
             f"{sorted(ALLOWED_DTYPES)}"
         )
     if not isinstance(shape, list):
-        raise EnvelopeError(f"tensor {name!r} shape must be a list of ints")
+        raise EnvelopeError(f"tensor {quote(name)} shape must be a list of ints")
+    _check_shape(name, shape, np.dtype(dtype_name).itemsize, limits)
+    return name, dtype_name, shape
+
+
+def _check_shape(name: str, shape: list[Any], itemsize: int, limits: Limits) -> None:
+    """Refuse a rank above the limit, a dimension that is not a non-negative int, and a
+    shape whose extent (zero dimensions counted as 1) exceeds the message limit.
+
+    The extent rule is what keeps NumPy safe: ``reshape`` checks the product of the
+    non-zero dimensions against intp even when the array is empty, so ``[0, 2**29, 2**29,
+    2**29]`` would make it raise a bare ValueError.
+    """
     if len(shape) > limits.max_ndim:
         raise EnvelopeError(
-            f"tensor {name!r} has {len(shape)} dimensions, above the limit of {limits.max_ndim}"
+            f"tensor {quote(name)} has {len(shape)} dimensions, above the limit of "
+            f"{limits.max_ndim}"
         )
+    extent = 1
     for dim in shape:
         if not _is_int(dim) or dim < 0:
-            raise EnvelopeError(f"tensor {name!r} shape {shape!r} must hold non-negative ints")
-        if dim > limits.max_message_bytes:  # also keeps numpy away from absurd zero-size shapes
             raise EnvelopeError(
-                f"tensor {name!r} dimension {dim} exceeds the message limit of "
+                f"tensor {quote(name)} shape {quote(shape)} must hold non-negative ints"
+            )
+        if dim > limits.max_message_bytes:
+            raise EnvelopeError(
+                f"tensor {quote(name)} dimension {dim} exceeds the message limit of "
                 f"{limits.max_message_bytes}"
             )
-    return name, dtype_name, shape
+        extent *= max(dim, 1)  # stays small: each factor is at most max_message_bytes
+    if extent * itemsize > limits.max_message_bytes:
+        raise EnvelopeError(
+            f"tensor {quote(name)} shape {tuple(shape)} spans {extent * itemsize} bytes when its "
+            f"zero dimensions count as 1, which exceeds the message limit of "
+            f"{limits.max_message_bytes}"
+        )

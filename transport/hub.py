@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from transport.curve import (
     Allowlist,
@@ -26,20 +27,31 @@ from transport.envelope import (
     pack,
     unpack,
 )
-from transport.errors import PeerLost, ReceiveTimeout, TransportError
+from transport.errors import PeerLost, ReceiveTimeout, TransportError, quote
 from transport.sockets import (
     HEARTBEAT_KIND,
-    HEARTBEAT_ROUTING_SUFFIX,
+    HELLO_KIND,
     LINGER_MS,
     RESERVED_KINDS,
     Endpoint,
+    Received,
     check_endpoint,
     check_kinds,
     check_timeout,
     check_timing,
     configure_socket,
+    describe_routing_id,
     first_seq,
+    parse_routing_id,
+    recv_bounded,
 )
+
+# the hub watches its own handshakes to name clients that hold the wrong hub key
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+# one warning per window: a misconfigured client retries its handshake every few seconds
+_HANDSHAKE_LOG_WINDOW_S = 60.0
+# replay state is kept per socket; bounded so that reconnect churn cannot grow it forever
+_MAX_TRACKED_SOCKETS = 4096
 
 
 class Hub(Endpoint):
@@ -47,11 +59,32 @@ class Hub(Endpoint):
 
     Who sent a message is what CURVE authenticated, never what the message says: the ZAP
     authenticator admits only allowlisted keys and sets each connection's ``User-Id`` to the
-    role name; the hub then requires the peer's routing id (``name`` for its main socket,
-    ``name/hb`` for its heartbeat socket) and the envelope's ``sender`` to equal that name.
-    Every message is validated (kind, dtypes, sizes, session, strictly increasing ``seq`` per
-    socket); one that fails is logged at WARNING with the sender and the reason, counted in
-    ``rejected`` and dropped, and the hub keeps serving the others.
+    role name; the hub then requires the role named in the peer's routing id and the
+    envelope's ``sender`` to equal that name. Every message is validated (per-message frame
+    count and bytes while it is received, then kind, dtypes, shapes, session, strictly
+    increasing ``seq`` per socket); one that fails is logged at WARNING with the sender and
+    the reason (peer text quoted, see ``errors.quote``), counted in ``rejected`` and
+    dropped, and the hub keeps serving the others. Each role may have at most
+    ``limits.max_pending_messages`` messages (``limits.pending_bytes_cap`` bytes) waiting
+    for :meth:`recv`; more are rejected the same way.
+
+    Routing: a :class:`Peer` connects with routing ids ``name/<token>`` (main socket) and
+    ``name/hb/<token>`` (heartbeat socket), the token 128 secret random bits. The hub sends
+    to a role only over the main-socket routing id on which that role's CURVE key last said
+    hello, and only if it carries a token. A ROUTER cannot refuse the id a client presents
+    and, with ``ROUTER_HANDOVER`` (kept so that a reconnecting peer replaces its stale
+    link), a second connection presenting an existing id takes it over; since no other
+    role can know a token, no authenticated role can take over, receive or send on another
+    role's connection. A client that connects under another role's name is refused as
+    soon as it sends; one that uses a bare ``name`` (no token) may send but is never sent
+    to. One connection per role is served: a hello on a new connection (a restarted peer)
+    makes it the route, and the connection it replaced may no longer send. Tokens are
+    never logged.
+
+    Wrong keys: a client whose key is not allowlisted is refused by ZAP, which logs the key's
+    fingerprint and address (see :class:`transport.AllowlistAuthenticator`); a client that
+    holds another hub's public key fails the CURVE handshake before it can present its key,
+    and the hub logs that (once a minute) from its socket monitor.
 
     While it waits in :meth:`recv` or :meth:`wait_for` (and on :meth:`send` and
     :meth:`keepalive`) the hub sends a heartbeat to every connected peer each
@@ -63,17 +96,18 @@ class Hub(Endpoint):
     so there the routing id is the identity and, when an ``allowlist`` is given, must be one
     of its names. ``inproc://`` needs the peers to share ``context``.
 
-    Limitation: a peer's routing id is its name and a newer connection with the same routing
-    id takes over (``ROUTER_HANDOVER``, so a restarted peer is not ignored). An allowlisted
-    role that connects under another role's name is refused as soon as it sends and that
-    route is dropped, but one that only listens could receive what is sent to that role;
-    the threat model assumes roles follow the protocol.
+    Limitation: libzmq queues every frame of a multipart message before it delivers the
+    first, and ``zmq.MAXMSGSIZE`` (``limits.hard_frame_cap``) caps each frame, not their
+    number; the hub refuses an over-limit message frame by frame without keeping or
+    decoding it, but an allowlisted peer that streams frames of one endless message can
+    still grow libzmq's own buffer. Bound the process's memory (cgroup, ``ulimit -v``).
 
     Attributes: ``endpoint`` (the bound address, with the real port for ``tcp://...:0``),
     ``session`` (settable; when set, application messages of another session are rejected),
     ``bytes_sent`` / ``bytes_received`` (envelope frame bytes of application messages sent /
-    accepted; heartbeats, rejected messages and CURVE overhead are not counted) and
-    ``rejected`` (messages dropped by validation).
+    accepted; heartbeats, rejected messages and CURVE overhead are not counted),
+    ``rejected`` (messages dropped by validation) and ``handshake_failures`` (CURVE
+    handshakes that failed before ZAP, e.g. a client holding another hub's key).
 
     Not thread-safe: use a hub from one thread.
     """
@@ -117,8 +151,13 @@ class Hub(Endpoint):
         self._wire_kinds = self.kinds | RESERVED_KINDS
         self._routes: dict[str, bytes] = {}  # role -> routing id of its main socket
         self._last_seen: dict[str, float] = {}  # roles whose liveness is tracked
-        self._last_seq: dict[bytes, int] = {}  # routing id -> last accepted seq
-        self._pending: deque[Envelope] = deque()
+        self._last_seq: dict[bytes, int] = {}  # routing id -> last accepted seq (LRU order)
+        self._pending: deque[tuple[Envelope, int]] = deque()  # (envelope, its frame bytes)
+        self._pending_count: dict[str, int] = {}
+        self._pending_bytes: dict[str, int] = {}
+        self._warned_untokened: set[str] = set()
+        self._last_handshake_warning = -math.inf
+        self.handshake_failures = 0
         self._seq = first_seq()
         self._next_heartbeat = time.monotonic()
         self._closed = False
@@ -126,6 +165,8 @@ class Hub(Endpoint):
         self._context = context if context is not None else zmq.Context()
         self._auth: AllowlistAuthenticator | None = None
         self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._poller = zmq.Poller()
         try:
             if curve:
                 assert allowlist is not None and keypair is not None
@@ -145,6 +186,9 @@ class Hub(Endpoint):
                 socket.curve_server = True
                 socket.curve_secretkey = keypair.secret
                 socket.curve_publickey = keypair.public
+                self._monitor = socket.get_monitor_socket(events=_MONITOR_EVENTS)
+                self._poller.register(self._monitor, zmq.POLLIN)
+            self._poller.register(socket, zmq.POLLIN)
             socket.bind(bind)
             self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -177,7 +221,10 @@ class Hub(Endpoint):
                 f"connected peers: {sorted(self._routes) or 'none'}"
             ),
         )
-        return self._pending.popleft()
+        env, nbytes = self._pending.popleft()
+        self._pending_count[env.sender] -= 1
+        self._pending_bytes[env.sender] -= nbytes
+        return env
 
     def send(self, to: str, env: Envelope) -> None:
         """Send ``env`` to the role ``to``; sets its ``sender``, ``seq`` and, if unset, ``session``.
@@ -261,6 +308,9 @@ class Hub(Endpoint):
             return
         self._closed = True
         if self._socket is not None:
+            if self._monitor is not None:
+                self._socket.disable_monitor()
+                self._monitor.close(linger=0)
             self._socket.close(linger=int(linger * 1000))
         if self._auth is not None:
             self._auth.stop()
@@ -282,7 +332,7 @@ class Hub(Endpoint):
     def _serve(
         self, timeout: float, done: Callable[[], bool], describe_timeout: Callable[[], str]
     ) -> None:
-        sock = self._open_socket()
+        self._open_socket()
         deadline = time.monotonic() + timeout
         while True:
             self._heartbeat_if_due()
@@ -295,16 +345,51 @@ class Hub(Endpoint):
                 raise ReceiveTimeout(describe_timeout())
             losses = [seen + self.peer_timeout for seen in self._last_seen.values()]
             wake = min([deadline, self._next_heartbeat, *losses])
-            sock.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+            self._poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
 
     def _drain(self, done: Callable[[], bool]) -> None:
         sock = self._open_socket()
+        self._process_monitor()
         while not done():
             try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                received = recv_bounded(sock, limits=self.limits, prefix=1)
             except zmq.Again:
                 return
-            self._handle(frames)
+            self._handle(received)
+
+    def _process_monitor(self) -> None:
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self.handshake_failures += 1
+            now = time.monotonic()
+            loud = now - self._last_handshake_warning >= _HANDSHAKE_LOG_WINDOW_S
+            if loud:
+                self._last_handshake_warning = now
+            crypto = (
+                event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC
+            )
+            cause = (
+                "its first CURVE command does not decrypt with this hub's key: it was given "
+                "another hub's public key (keys from another run or federation?); give it "
+                "this hub's public key"
+                if crypto
+                else "the client broke off or does not speak CurveZMQ; check that it is a "
+                "securevfl role configured with this hub's public key"
+            )
+            self.logger.log(
+                logging.WARNING if loud else logging.DEBUG,
+                "a client connecting to %s failed the CURVE handshake (%d so far): %s; its "
+                "role cannot be told, as CurveZMQ reveals nothing before the handshake",
+                self.endpoint,
+                self.handshake_failures,
+                cause,
+            )
 
     def _heartbeat_if_due(self) -> None:
         now = time.monotonic()
@@ -330,90 +415,141 @@ class Hub(Endpoint):
                 self.logger.warning("lost %s: silent for %.1f s", name, silent)
                 raise PeerLost(name, silent_for=silent, peer_timeout=self.peer_timeout)
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _handle(self, received: Received) -> None:
+        frames = received.frames
         rid = frames[0].bytes
         body = frames[1:]
-        who = _describe_routing_id(rid)
+        who = describe_routing_id(rid)
         try:
             if not body:
                 raise EnvelopeError("the message has no frames after the routing id")
-            name, from_heartbeat_socket = self._identify(rid, body[0])
+            name, from_heartbeat_socket, tokened = self._identify(rid, body[0])
             who = name
+            if received.overflow is not None:
+                raise EnvelopeError(received.overflow)
             env = unpack(body, kinds=self._wire_kinds, limits=self.limits)
             self._check(env, name=name, rid=rid, from_heartbeat_socket=from_heartbeat_socket)
+            if not from_heartbeat_socket:
+                self._check_current(name, rid, hello=env.kind == HELLO_KIND)
+            nbytes = frames_nbytes(body)
+            if env.kind not in RESERVED_KINDS:
+                self._check_pending(name, nbytes)
         except EnvelopeError as exc:
             self.rejected += 1
             self.logger.warning("rejected a message from %s: %s", who, exc.reason)
             return
+        self._last_seq.pop(rid, None)  # re-insert: most recently used last
         self._last_seq[rid] = env.seq
+        if len(self._last_seq) > _MAX_TRACKED_SOCKETS:
+            del self._last_seq[next(iter(self._last_seq))]
         self._last_seen[name] = time.monotonic()
         if not from_heartbeat_socket:
-            if name not in self._routes:
-                self.logger.info("%s connected to %s", name, self.name)
-            self._routes[name] = rid
+            self._route(name, rid, tokened=tokened)
         if env.kind in RESERVED_KINDS:
             return
-        self.bytes_received += frames_nbytes(body)
-        self._pending.append(env)
+        self.bytes_received += nbytes
+        self._pending.append((env, nbytes))
+        self._pending_count[name] = self._pending_count.get(name, 0) + 1
+        self._pending_bytes[name] = self._pending_bytes.get(name, 0) + nbytes
 
-    def _identify(self, rid: bytes, frame: zmq.Frame) -> tuple[str, bool]:
-        """The authenticated role behind a connection, and whether it is a heartbeat socket."""
-        try:
-            claimed = rid.decode("ascii")
-        except UnicodeDecodeError:
-            claimed = ""
-        from_heartbeat_socket = claimed.endswith(HEARTBEAT_ROUTING_SUFFIX)
-        if from_heartbeat_socket:
-            claimed = claimed[: -len(HEARTBEAT_ROUTING_SUFFIX)]
-        if not self.curve:  # inproc: the routing id is all there is
-            if not claimed or (self.allowlist is not None and claimed not in self.allowlist):
-                raise EnvelopeError(
-                    f"routing id {_describe_routing_id(rid)} is not a role of this federation"
+    def _check_pending(self, name: str, nbytes: int) -> None:
+        count = self._pending_count.get(name, 0)
+        queued = self._pending_bytes.get(name, 0)
+        if (
+            count + 1 > self.limits.max_pending_messages
+            or queued + nbytes > self.limits.pending_bytes_cap
+        ):
+            raise EnvelopeError(
+                f"{count} messages ({queued} bytes) from {name} already wait to be read, and "
+                f"this one would pass the limits of {self.limits.max_pending_messages} "
+                f"messages and {self.limits.pending_bytes_cap} bytes per role"
+            )
+
+    def _check_current(self, name: str, rid: bytes, *, hello: bool) -> None:
+        """One live connection per role: a hello on a new connection makes it the role's
+        route; anything else from a connection it replaced is refused, so two processes
+        holding one role's key cannot both take part."""
+        current = self._routes.get(name)
+        if current is not None and current != rid and not hello:
+            raise EnvelopeError(
+                f"{name} sent on a connection that a newer one of {name} has replaced; only "
+                "its newest connection (the last to say hello) is served: is a second "
+                f"process running as {name}?"
+            )
+
+    def _route(self, name: str, rid: bytes, *, tokened: bool) -> None:
+        """Send to ``name`` over ``rid`` from now on, if ``rid`` is one nobody else can take."""
+        if not tokened:  # a bare name can be presented by anyone: never route to it
+            if name not in self._warned_untokened:
+                self._warned_untokened.add(name)
+                self.logger.warning(
+                    "%s connected with the guessable routing id %s; its messages are "
+                    "accepted but nothing will be sent to it (connect with transport.Peer)",
+                    name,
+                    describe_routing_id(rid),
                 )
-            return claimed, from_heartbeat_socket
+            return
+        previous = self._routes.get(name)
+        if previous == rid:
+            return
+        self._routes[name] = rid
+        if previous is None:
+            self.logger.info("%s connected to %s", name, self.name)
+        else:
+            self.logger.info("%s reconnected to %s (new connection)", name, self.name)
+        if self._auth is not None:
+            self._auth.connected = frozenset(self._routes)
+
+    def _identify(self, rid: bytes, frame: zmq.Frame) -> tuple[str, bool, bool]:
+        """The authenticated role behind a connection, whether this is its heartbeat socket,
+        and whether its routing id carries a token; refuses a routing id that claims another
+        role than the connection's CURVE key, or that has no role in it."""
+        parsed = parse_routing_id(rid)
+        if parsed is None:
+            raise EnvelopeError(
+                f"routing id {describe_routing_id(rid)} is not of the form <role>/<token>; "
+                "connect with transport.Peer"
+            )
+        if not self.curve:  # inproc: the routing id is all there is
+            if self.allowlist is not None and parsed.name not in self.allowlist:
+                raise EnvelopeError(
+                    f"{quote(parsed.name)} is not a role of this federation (routing id "
+                    f"{describe_routing_id(rid)})"
+                )
+            return parsed.name, parsed.heartbeat, parsed.tokened
         try:
             user = frame.get("User-Id")
         except zmq.ZMQError:
             user = None
         if not user:
             raise EnvelopeError("the connection carries no CURVE-authenticated identity")
-        if claimed != user:
-            if self._routes.get(claimed) == rid:  # that route may now lead to the wrong role
-                del self._routes[claimed]
+        if parsed.name != user:
             raise EnvelopeError(
-                f"the connection authenticated as {user!r} uses routing id "
-                f"{_describe_routing_id(rid)}; a role must connect under its own name "
+                f"the connection authenticated as {quote(user)} uses routing id "
+                f"{describe_routing_id(rid)}; a role must connect under its own name "
                 "(impersonation attempt)"
             )
-        return user, from_heartbeat_socket
+        return user, parsed.heartbeat, parsed.tokened
 
     def _check(self, env: Envelope, *, name: str, rid: bytes, from_heartbeat_socket: bool) -> None:
         if env.sender != name:
             raise EnvelopeError(
-                f"the sender field says {env.sender!r} but the connection is authenticated as "
-                f"{name!r} (impersonation attempt)"
+                f"the sender field says {quote(env.sender)} but the connection is authenticated "
+                f"as {quote(name)} (impersonation attempt)"
             )
         if from_heartbeat_socket and env.kind != HEARTBEAT_KIND:
-            raise EnvelopeError(f"the heartbeat socket sent a {env.kind!r} message")
+            raise EnvelopeError(f"the heartbeat socket sent a {quote(env.kind)} message")
         if env.kind in RESERVED_KINDS:
             if env.tensors or env.meta:
-                raise EnvelopeError(f"a {env.kind!r} message must carry no tensors or meta")
+                raise EnvelopeError(f"a {quote(env.kind)} message must carry no tensors or meta")
         elif self.session is not None and env.session != self.session:
             raise EnvelopeError(
-                f"message belongs to session {env.session!r}, not the current session "
-                f"{self.session!r}"
+                f"message belongs to session {quote(env.session)}, not the current session "
+                f"{quote(self.session)}"
             )
         last = self._last_seq.get(rid)
         if last is not None and env.seq <= last:
             raise EnvelopeError(
-                f"{env.kind!r} message has seq {env.seq}, not above {last}, the last one accepted "
-                "from this socket: a replayed or reordered message"
+                f"{quote(env.kind)} message has seq {env.seq}, not above {last}, the last one "
+                "accepted from this socket: a replayed or reordered message"
             )
-
-
-def _describe_routing_id(rid: bytes) -> str:
-    try:
-        text = rid.decode("ascii")
-    except UnicodeDecodeError:
-        return f"0x{rid.hex()}"
-    return repr(text) if text.isprintable() else f"0x{rid.hex()}"

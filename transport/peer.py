@@ -11,7 +11,7 @@ from collections.abc import Collection
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from transport.curve import CurveKeyPair, check_role_name
+from transport.curve import CurveKeyPair, check_role_name, key_fingerprint
 from transport.envelope import (
     DEFAULT_LIMITS,
     Envelope,
@@ -21,10 +21,16 @@ from transport.envelope import (
     pack,
     unpack,
 )
-from transport.errors import KeyRefused, PeerLost, ReceiveTimeout, TransportError
+from transport.errors import (
+    HandshakeFailed,
+    KeyRefused,
+    PeerLost,
+    ReceiveTimeout,
+    TransportError,
+    quote,
+)
 from transport.sockets import (
     HEARTBEAT_KIND,
-    HEARTBEAT_ROUTING_SUFFIX,
     HELLO_KIND,
     LINGER_MS,
     RESERVED_KINDS,
@@ -36,6 +42,8 @@ from transport.sockets import (
     configure_socket,
     first_seq,
     is_inproc,
+    new_routing_id,
+    recv_bounded,
 )
 
 _MONITOR_EVENTS = (
@@ -44,18 +52,32 @@ _MONITOR_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
+# handshakes that fail in a row, with no ZAP verdict and no success, before we give up: a
+# hub restart costs at most one; a wrong server key fails every one (~0.7 s for three)
+HANDSHAKE_FAILURES_BEFORE_GIVING_UP = 3
 
 
 class Peer(Endpoint):
     """A role's connection to the hub: a CURVE-client DEALER plus a heartbeat thread.
 
-    The main socket (routing id ``name``) carries application messages and announces itself
-    with a ``hello`` on every (re)connection; a daemon thread with its own DEALER (routing
-    id ``name/hb``) sends a heartbeat every ``heartbeat_interval`` so the hub knows this role
-    is alive even while it computes. Incoming messages are validated like the hub's
-    (``sender`` must be the hub's name, kind, dtypes, sizes, session, strictly increasing
-    ``seq``); invalid ones are logged at WARNING, counted in ``rejected`` and dropped.
+    The main socket (routing id ``name/<token>``) carries application messages and announces
+    itself with a ``hello`` on every (re)connection; a daemon thread with its own DEALER
+    (routing id ``name/hb/<token>``) sends a heartbeat every ``heartbeat_interval`` so the hub
+    knows this role is alive even while it computes. Each token is 128 fresh random bits,
+    so no other role can take over these connections at the hub (see :class:`Hub`). Incoming
+    messages are validated like the hub's (per-message frame count and bytes while they
+    arrive; ``sender`` must be the hub's name, kind, dtypes, sizes, session, strictly
+    increasing ``seq``); invalid ones are logged at WARNING, counted in ``rejected`` and dropped.
     Heartbeats from the hub are consumed silently.
+
+    Refusals surface within a second, on the next :meth:`send` or :meth:`recv`: a key that
+    the hub's ZAP handler refuses raises ``KeyRefused`` at once; a handshake that fails
+    ``HANDSHAKE_FAILURES_BEFORE_GIVING_UP`` times in a row without any verdict raises
+    ``HandshakeFailed`` (a ``KeyRefused``) whose message names the likely cause, a
+    ``server_public`` that is not the hub's key. CurveZMQ gives the client no reason in that
+    case (the server cannot decrypt the client's first command, so it drops the connection
+    without a word), so the cause is inferred, not reported by the hub. After either, the
+    peer stops reconnecting and every later call raises the same error.
 
     ``curve=False`` is accepted only for ``inproc://`` endpoints, where libzmq runs no CURVE
     (see :class:`transport.Hub`); ``inproc://`` needs the hub's ``context``.
@@ -113,8 +135,8 @@ class Peer(Endpoint):
         self._seq = first_seq()
         self._last_seq: int | None = None
         self._last_heard: float | None = None  # None until the hub has been heard once
-        self._refused = False
-        self._warned_handshake = False
+        self._refused: TransportError | None = None
+        self._failed_in_a_row = 0
         self._handshakes = 0
         self._closed = False
         self._own_context = context is None
@@ -124,7 +146,7 @@ class Peer(Endpoint):
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
-            socket = self._new_socket(name)
+            socket = self._new_socket(new_routing_id(name))
             self._socket = socket
             if not is_inproc(connect):  # inproc has no handshake to watch
                 self._monitor = socket.get_monitor_socket(events=_MONITOR_EVENTS)
@@ -184,10 +206,10 @@ class Peer(Endpoint):
             self._process_monitor()
             while True:
                 try:
-                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    received = recv_bounded(sock, limits=self.limits)
                 except zmq.Again:
                     break
-                env = self._handle(frames)
+                env = self._handle(received.frames, received.overflow)
                 if env is not None:
                     return env
             now = time.monotonic()
@@ -234,7 +256,7 @@ class Peer(Endpoint):
 
     # ------------------------------------------------------------------ internals
 
-    def _new_socket(self, routing_id: str) -> zmq.Socket:
+    def _new_socket(self, routing_id: bytes) -> zmq.Socket:
         sock = self._context.socket(zmq.DEALER)
         try:
             configure_socket(
@@ -243,7 +265,7 @@ class Peer(Endpoint):
                 heartbeat_interval=self.heartbeat_interval,
                 peer_timeout=self.peer_timeout,
             )
-            sock.setsockopt(zmq.ROUTING_ID, routing_id.encode("ascii"))
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
             if self.curve:
                 assert self._keypair is not None and self._server_public is not None
@@ -258,8 +280,8 @@ class Peer(Endpoint):
     def _open_socket(self) -> zmq.Socket:
         if self._closed or self._socket is None:
             raise TransportError(f"peer {self.name} is closed")
-        if self._refused:
-            raise self._key_refused()
+        if self._refused is not None:
+            raise self._refused
         return self._socket
 
     def _send_hello(self) -> None:
@@ -282,48 +304,85 @@ class Peer(Endpoint):
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshakes += 1
+                self._failed_in_a_row = 0
                 if self._handshakes > 1:  # the first link got the hello queued in __init__
                     self._send_hello()  # a reconnected or restarted hub must learn our route
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self._refused = True
-            elif not self._warned_handshake:
-                self._warned_handshake = True
-                self.logger.warning(
-                    "the CURVE handshake with %s at %s failed; check that server_public is "
-                    "the hub's public key and that both sides run CurveZMQ",
+                self._refused = self._key_refused(int(event["value"]))
+            else:
+                self._failed_in_a_row += 1
+                self.logger.log(
+                    logging.WARNING if self._failed_in_a_row == 1 else logging.DEBUG,
+                    "the CURVE handshake with %s at %s failed (%d in a row); check that "
+                    "server_public is the hub's public key and that both sides run CurveZMQ",
                     self.hub_name,
                     self.endpoint,
+                    self._failed_in_a_row,
                 )
-        if self._refused:
-            raise self._key_refused()
+                if self._failed_in_a_row >= HANDSHAKE_FAILURES_BEFORE_GIVING_UP:
+                    self._refused = self._handshake_failed()
+            if self._refused is not None:
+                self._give_up()
+                break
+        if self._refused is not None:
+            raise self._refused
 
-    def _key_refused(self) -> KeyRefused:
-        key = self._keypair.public.decode("ascii") if self._keypair else "?"
+    def _give_up(self) -> None:
+        """Stop retrying a hub that refused us: every retry would be refused again."""
+        self._stop.set()  # the heartbeat thread leaves its loop and closes its socket
+        assert self._socket is not None
+        try:
+            self._socket.disconnect(self.endpoint)
+        except zmq.ZMQError:  # already disconnected
+            pass
+
+    def _own_key(self) -> str:
+        if self._keypair is None:
+            return "(none)"
+        public = self._keypair.public
+        return f"{public.decode('ascii')} ({key_fingerprint(public)})"
+
+    def _key_refused(self, status: int = 400) -> KeyRefused:
+        why = "" if status == 400 else f" (ZAP status {status})"
         return KeyRefused(
-            f"{self.hub_name} at {self.endpoint} refused {self.name}'s CURVE key {key}; add it to "
-            "the federation allowlist with `securevfl keys` or check the keys directory"
+            f"{self.hub_name} at {self.endpoint} refused {self.name}'s CURVE key "
+            f"{self._own_key()}{why}; add it to the federation allowlist with `securevfl keys` "
+            "or check the keys directory"
         )
 
-    def _handle(self, frames: list[zmq.Frame]) -> Envelope | None:
+    def _handshake_failed(self) -> HandshakeFailed:
+        server = self._server_public.decode("ascii", "replace") if self._server_public else "?"
+        return HandshakeFailed(
+            f"{self.name} could not complete a CURVE handshake with {self.hub_name} at "
+            f"{self.endpoint} ({self._failed_in_a_row} attempts in a row failed without an "
+            f"answer): most likely the hub's public key given to {self.name} "
+            f"({server}, {key_fingerprint(server)}) is not the key of the hub running there "
+            "(keys from another run or federation?); use the public.json of the federation "
+            "that hub serves, and check that the address is that hub's"
+        )
+
+    def _handle(self, frames: list[zmq.Frame], overflow: str | None = None) -> Envelope | None:
         try:
+            if overflow is not None:
+                raise EnvelopeError(overflow)
             env = unpack(frames, kinds=self._wire_kinds, limits=self.limits)
             if env.sender != self.hub_name:
                 raise EnvelopeError(
-                    f"the sender field says {env.sender!r} but this socket only talks to "
-                    f"{self.hub_name!r}"
+                    f"the sender field says {quote(env.sender)} but this socket only talks to "
+                    f"{quote(self.hub_name)}"
                 )
             if env.kind == HEARTBEAT_KIND:
                 if env.tensors or env.meta:
                     raise EnvelopeError("a heartbeat must carry no tensors or meta")
             elif self.session is not None and env.session != self.session:
                 raise EnvelopeError(
-                    f"message belongs to session {env.session!r}, not the current session "
-                    f"{self.session!r}"
+                    f"message belongs to session {quote(env.session)}, not the current session "
+                    f"{quote(self.session)}"
                 )
             if self._last_seq is not None and env.seq <= self._last_seq:
                 raise EnvelopeError(
-                    f"{env.kind!r} message has seq {env.seq}, not above {self._last_seq}, the "
-                    "last one accepted: a replayed or reordered message"
+                    f"{quote(env.kind)} message has seq {env.seq}, not above {self._last_seq}, "
+                    "the last one accepted: a replayed or reordered message"
                 )
         except EnvelopeError as exc:
             self.rejected += 1
@@ -338,7 +397,7 @@ class Peer(Endpoint):
 
     def _heartbeat_loop(self) -> None:
         try:
-            sock = self._new_socket(self.name + HEARTBEAT_ROUTING_SUFFIX)
+            sock = self._new_socket(new_routing_id(self.name, heartbeat=True))
         except Exception:
             self.logger.exception("%s cannot open its heartbeat socket", self.name)
             return

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import secrets
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 import zmq
@@ -14,6 +17,8 @@ HEARTBEAT_KIND = "heartbeat"
 HELLO_KIND = "_hello"  # a peer's main socket announces itself so the hub can route to it
 RESERVED_KINDS = frozenset({HEARTBEAT_KIND, HELLO_KIND})
 HEARTBEAT_ROUTING_SUFFIX = "/hb"
+ROUTING_TOKEN_BYTES = 16  # 128 bits: a routing id nobody else can guess
+_TOKEN = re.compile(f"[0-9a-f]{{{2 * ROUTING_TOKEN_BYTES}}}")
 LINGER_MS = 500  # close() drops what is still unsent after this; never hangs longer
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -46,6 +51,125 @@ def check_endpoint(endpoint: str, *, curve: bool, context: zmq.Context | None) -
             f"curve=False is only allowed for inproc:// endpoints, not {endpoint!r}: "
             "every network connection must be CurveZMQ-encrypted and authenticated"
         )
+
+
+def new_routing_id(name: str, *, heartbeat: bool = False) -> bytes:
+    """A fresh routing id for one socket of role ``name``: ``name/<token>`` (main socket) or
+    ``name/hb/<token>`` (heartbeat socket), the token 128 random bits in hex.
+
+    Why a secret token: a ROUTER cannot stop a client from choosing its routing id, and with
+    ``ROUTER_HANDOVER`` a second connection that presents an existing id takes the first
+    one's place. Ids that only their owner knows (they travel inside the CurveZMQ-encrypted
+    handshake and the hub never logs them) make that takeover impossible for anyone else.
+    """
+    middle = HEARTBEAT_ROUTING_SUFFIX if heartbeat else ""
+    return f"{name}{middle}/{secrets.token_hex(ROUTING_TOKEN_BYTES)}".encode("ascii")
+
+
+@dataclass(frozen=True)
+class RoutingId:
+    """What a routing id claims: a role ``name``, whether it is the ``heartbeat`` socket,
+    and whether it carries an unguessable token (only those are routed to)."""
+
+    name: str
+    heartbeat: bool
+    tokened: bool
+
+
+def parse_routing_id(rid: bytes) -> RoutingId | None:
+    """Read ``name``, ``name/hb``, ``name/<token>`` or ``name/hb/<token>``; None otherwise.
+
+    The name is only a claim: the hub accepts it when it equals the connection's
+    CURVE-authenticated User-Id.
+    """
+    try:
+        text = rid.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    parts = text.split("/")
+    if not parts[0] or not (text.isprintable() and 1 <= len(parts) <= 3):
+        return None
+    tokened = len(parts) > 1 and _TOKEN.fullmatch(parts[-1]) is not None
+    middle = parts[1 : len(parts) - 1] if tokened else parts[1:]
+    if middle not in ([], [HEARTBEAT_ROUTING_SUFFIX[1:]]):
+        return None
+    return RoutingId(name=parts[0], heartbeat=bool(middle), tokened=tokened)
+
+
+def describe_routing_id(rid: bytes) -> str:
+    """A loggable rendering of a routing id: its token (a secret) replaced by ``<token>``."""
+    parsed = parse_routing_id(rid)
+    if parsed is None:
+        return f"0x{rid[:64].hex()}" + ("..." if len(rid) > 64 else "")
+    text = parsed.name + (HEARTBEAT_ROUTING_SUFFIX if parsed.heartbeat else "")
+    if parsed.tokened:
+        text += "/<token>"
+    return repr(text)
+
+
+@dataclass
+class Received:
+    """One message as :func:`recv_bounded` kept it.
+
+    ``frames`` holds every frame of a message within the limits, or only its first
+    ``prefix + 1`` frames (enough to tell who sent it) when ``overflow`` says which limit
+    it broke. ``nframes`` / ``nbytes`` count the envelope frames (after ``prefix``) that
+    arrived, kept or not.
+    """
+
+    frames: list[zmq.Frame]
+    nframes: int
+    nbytes: int
+    overflow: str | None = None
+
+
+def recv_bounded(socket: zmq.Socket, *, limits: Limits, prefix: int = 0) -> Received:
+    """Receive one whole message without keeping more of it than ``limits`` allow.
+
+    ``prefix`` frames (the ROUTER's routing id) come before the envelope and are not counted.
+    Promises: the message is consumed to its last frame, so the next call starts at the next
+    message; at most ``limits.max_frames`` envelope frames and ``limits.max_message_bytes``
+    envelope bytes (plus the one frame that crosses the line, which ``zmq.MAXMSGSIZE``
+    caps) are held at once; frames past a limit are released as they arrive (zero-copy
+    frames: nothing is copied). Raises ``zmq.Again`` when no message is waiting.
+
+    It cannot bound what libzmq itself holds: libzmq queues all frames of a multipart
+    message before it hands over the first, and ``MAXMSGSIZE`` caps each frame, not their
+    number (see ``Hub``'s docstring).
+    """
+    kept: list[zmq.Frame] = []
+    nframes = nbytes = 0
+    overflow = False
+    index = 0
+    frame = socket.recv(flags=zmq.NOBLOCK, copy=False)
+    while True:
+        if index < prefix:
+            kept.append(frame)
+        else:
+            nframes += 1
+            nbytes += len(frame)
+            if not overflow and (nframes > limits.max_frames or nbytes > limits.max_message_bytes):
+                overflow = True
+                del kept[prefix + 1 :]  # keep only what identifies the sender
+            if not overflow or index == prefix:
+                kept.append(frame)
+        if not frame.more:
+            break
+        # the rest of a multipart message is already queued: this never waits
+        frame = socket.recv(flags=zmq.NOBLOCK, copy=False)
+        index += 1
+    reason = None
+    if overflow and nframes > limits.max_frames:
+        reason = (
+            f"the message has {nframes - 1} tensor frames ({nbytes} bytes in all), above the "
+            f"limit of {limits.max_tensors}; it was dropped without being decoded"
+        )
+    elif overflow:
+        reason = (
+            f"the message is {nbytes} bytes, above the limit of {limits.max_message_bytes}; "
+            "it was dropped without being decoded"
+        )
+    return Received(frames=kept, nframes=nframes, nbytes=nbytes, overflow=reason)
 
 
 def check_kinds(kinds: Collection[str]) -> frozenset[str]:

@@ -12,7 +12,7 @@ from typing import Any
 from securevfl.config import RunConfig
 from securevfl.keys import AGGREGATOR, FederationPublicKeys, RoleSecrets, load_public, load_secrets
 from securevfl.roles import protocol as P
-from transport import Envelope, KeyRefused, Peer, PeerLost, ReceiveTimeout
+from transport import Envelope, HandshakeFailed, KeyRefused, Peer, PeerLost, ReceiveTimeout
 
 
 class RoleConnection:
@@ -105,6 +105,8 @@ class RoleConnection:
                 f"lost the aggregator ({exc}); restart the federation with --resume",
                 lost=AGGREGATOR,
             ) from None
+        except HandshakeFailed as exc:
+            raise self._wrong_hub(exc) from None
         except KeyRefused:
             raise self._refused() from None
         except ReceiveTimeout:
@@ -131,8 +133,17 @@ class RoleConnection:
         env.sender = self.name
         try:
             self.peer.send(env)
+        except HandshakeFailed as exc:
+            raise self._wrong_hub(exc) from None
         except KeyRefused:
             raise self._refused() from None
+
+    def _wrong_hub(self, exc: Exception) -> P.RunAborted:
+        return P.RunAborted(
+            f"{self.name!r} could not complete the CURVE handshake with the aggregator: {exc}; "
+            "check [network] aggregator_address and that this role holds this federation's "
+            "public keys (`securevfl keys`), not another run's"
+        )
 
     def _refused(self) -> P.RunAborted:
         return P.RunAborted(

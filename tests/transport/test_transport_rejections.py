@@ -170,7 +170,7 @@ def test_peer_rejects_a_replay_of_the_hubs_message(make_hub, make_peer, caplog):
     env = Envelope(kind="sum", sender="", meta={"n": 1})
     hub.send("party1", env)
     assert peer.recv(timeout=3).meta == {"n": 1}
-    hub._socket.send_multipart([b"party1", *pack(env)])  # the hub's own frames, once more
+    hub._socket.send_multipart([hub._routes["party1"], *pack(env)])  # the same frames, once more
     with pytest.raises(ReceiveTimeout):
         peer.recv(timeout=0.4)
     assert "replayed or reordered" in caplog.text
