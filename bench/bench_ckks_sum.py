@@ -1,7 +1,10 @@
 """Benchmarks of the CKKS secure sum: encrypt (per party), add (aggregator), decrypt (key holder).
 
 n values per party in {1e3, 1e4, 1e5}; K parties in {2, 4, 8} for the aggregator's add (encrypt
-is per party and decrypt is of one summed ciphertext, so neither depends on K).
+is per party and decrypt is of one summed ciphertext, so neither depends on K). Each benchmark
+runs for the design's default parameters and for the set ``choose_params`` picks for 4 parties,
+|x| <= 1024 and 11 bits after the point once flooded (the defaults' released precision); the
+per-set comparison with security and precision is ``bench/ckks_params.py``.
 
 Run the benchmarks::
 
@@ -21,16 +24,26 @@ import numpy as np
 import pytest
 import tenseal as ts
 
-from crypto.ckks import CkksKeyHolder, CkksPublic, PackedCiphertexts
+from crypto.ckks import (
+    DEFAULT_CKKS_PARAMS,
+    CkksKeyHolder,
+    CkksPublic,
+    PackedCiphertexts,
+    choose_params,
+)
 
 SIZES = [1_000, 10_000, 100_000]
 PARTIES = [2, 4, 8]
 ROUNDS = 5
+PARAM_SETS = {
+    "default": DEFAULT_CKKS_PARAMS,
+    "chosen": choose_params(precision_bits=11, magnitude=2.0**10, terms=4).params,
+}
 
 
-@pytest.fixture(scope="module")
-def key_holder() -> CkksKeyHolder:
-    return CkksKeyHolder()
+@pytest.fixture(scope="module", params=sorted(PARAM_SETS))
+def key_holder(request) -> CkksKeyHolder:
+    return CkksKeyHolder(params=PARAM_SETS[request.param])
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +62,15 @@ def test_encrypt_per_party(benchmark, public: CkksPublic, n: int) -> None:
     packed = benchmark.pedantic(public.encrypt, args=(x,), rounds=ROUNDS, iterations=1)
     benchmark.extra_info["chunks"] = len(packed.chunks)
     benchmark.extra_info["bytes"] = sum(len(c) for c in packed.chunks)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_encrypt_with_prepared_zeros(benchmark, public: CkksPublic, n: int) -> None:
+    # The critical path once encryptions of zero were prepared while waiting on the network.
+    x = np.random.default_rng(n).normal(size=n)
+    benchmark.pedantic(
+        public.encrypt, args=(x,), setup=lambda: public.prepare_zeros(n), rounds=ROUNDS
+    )
 
 
 @pytest.mark.parametrize("k", PARTIES)

@@ -7,6 +7,7 @@ NumPy and ``cryptography`` only; this package never imports torch, ZeroMQ, ``tra
 from crypto.fixedpoint import FixedPointEncoder, FixedPointOverflow, SumDidNotCancel
 from crypto.keys import MaskingKeyPair, pair_key
 from crypto.masking import (
+    MaskCallDomain,
     MaskDomain,
     MaskedSumAggregator,
     MaskedSumParty,
@@ -19,6 +20,7 @@ __all__ = [
     "FixedPointEncoder",
     "FixedPointOverflow",
     "Keystream",
+    "MaskCallDomain",
     "MaskDomain",
     "MaskedSumAggregator",
     "MaskedSumParty",

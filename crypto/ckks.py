@@ -34,7 +34,24 @@ coefficient-modulus size that keeps 128-bit classical security for a ternary sec
     32768                 881
 
 The public side re-checks the parameters of every context it receives, so a passive party
-never encrypts under a context weaker than that.
+never encrypts under a context weaker than that. :func:`security_level` also reports whether a
+parameter set meets the 192- and 256-bit rows of the same standard.
+
+Parameters sized to the values. Sums need no multiplication, hence no rescaling level: one
+data prime (or a few, when the values need more than 60 bits) plus the special prime suffice.
+:func:`choose_params` picks the smallest degree and chain that keep the requested security, a
+requested precision of the released sum (bits after the point, flooding included) and a
+magnitude bound for a sum of K contributions. A ciphertext then costs ``32 * data primes``
+bytes per value before compression (96 at the design's defaults).
+
+Speed. Every ciphertext carries ``slots`` values (the last chunk of an array is the only
+partial one). TenSEAL 0.3 holds the GIL in encryption, decryption, serialisation and loading
+(measured by ``bench/ckks_params.py``: a pure-Python thread beside them runs no faster than
+beside a GIL-holding loop), so a thread pool cannot encrypt chunks in parallel; instead
+:meth:`CkksPublic.prepare_zeros` precomputes encryptions of zero off the critical path, and
+:meth:`CkksPublic.encrypt` then only encodes and adds each chunk into one (SEAL's encryption is
+exactly an encryption of zero plus the plaintext, so the result is a fresh encryption). Each
+encryption of zero is used once. A chunk travels as the bytes TenSEAL serialises, unchanged.
 
 Decryptions that leave the key holder. CKKS is approximate: a decryption is the message plus
 an error that depends on the secret key, and an adversary who sees exact decryptions of
@@ -67,8 +84,11 @@ import tenseal as ts
 import tenseal.sealapi  # noqa: F401  (registers SEAL types, e.g. Modulus, with pybind11)
 
 __all__ = [
+    "MAX_COEFF_MODULUS_BITS",
     "MAX_COEFF_MODULUS_BITS_128",
+    "MAX_PREPARED_ZEROS",
     "CkksError",
+    "CkksSizing",
     "DecryptionRelease",
     "error_bound",
     "CkksKeyHolder",
@@ -76,7 +96,9 @@ __all__ = [
     "CkksPublic",
     "DEFAULT_CKKS_PARAMS",
     "PackedCiphertexts",
+    "choose_params",
     "context_fingerprint",
+    "security_level",
 ]
 
 #: SEAL's 128-bit classical security table: poly_modulus_degree -> max total modulus bits.
@@ -88,6 +110,16 @@ MAX_COEFF_MODULUS_BITS_128: dict[int, int] = {
     16384: 438,
     32768: 881,
 }
+
+#: The same standard's rows for 128-, 192- and 256-bit classical security (SEAL hestdparms.h).
+MAX_COEFF_MODULUS_BITS: dict[int, dict[int, int]] = {
+    128: MAX_COEFF_MODULUS_BITS_128,
+    192: {1024: 19, 2048: 37, 4096: 75, 8192: 152, 16384: 305, 32768: 611},
+    256: {1024: 14, 2048: 29, 4096: 58, 8192: 118, 16384: 237, 32768: 476},
+}
+
+#: The most encryptions of zero one CkksPublic keeps ready (each is one ciphertext).
+MAX_PREPARED_ZEROS = 4096
 
 # SEAL refuses primes outside [2, 60] bits (SEAL_USER_MOD_BIT_COUNT_MAX/MIN).
 _MAX_PRIME_BITS = 60
@@ -184,6 +216,22 @@ class CkksParams:
         return self.poly_modulus_degree // 2
 
     @property
+    def data_bits(self) -> int:
+        """Bits of the data modulus Q (every prime but the special one): what holds a sum."""
+        return sum(self.coeff_mod_bit_sizes[:-1])
+
+    @property
+    def magnitude_bits(self) -> int:
+        """A sum whose values stay below ``2**magnitude_bits`` in magnitude decrypts correctly.
+
+        Each b-bit prime is at least 2**(b-1), so Q >= 2**(data_bits - data primes); an
+        encoded value's coefficients reach ``2**scale_bits * |value|``, which must stay below
+        Q/2; one more bit is left for the noise.
+        """
+        data_primes = len(self.coeff_mod_bit_sizes) - 1
+        return self.data_bits - data_primes - self.scale_bits - 2
+
+    @property
     def max_chunk_bytes(self) -> int:
         """Upper bound on a serialized chunk; larger frames are refused before parsing."""
         data_primes = len(self.coeff_mod_bit_sizes) - 1
@@ -192,6 +240,149 @@ class CkksParams:
 
 #: The design's default parameters: degree 8192, primes (60, 40, 40, 60), scale 2^40.
 DEFAULT_CKKS_PARAMS = CkksParams()
+
+
+def security_level(params: CkksParams) -> int:
+    """The highest of 256, 192 and 128 bits whose row of the standard ``params`` meet; 0 if
+    none (then :meth:`CkksParams.validate` refuses them)."""
+    total = sum(params.coeff_mod_bit_sizes)
+    for bits in (256, 192, 128):
+        limit = MAX_COEFF_MODULUS_BITS[bits].get(params.poly_modulus_degree)
+        if limit is not None and total <= limit:
+            return bits
+    return 0
+
+
+@dataclass(frozen=True)
+class CkksSizing:
+    """What :func:`choose_params` chose, and what it guarantees for a sum of ``terms``.
+
+    ``precision_bits``: the released value's error (flood noise of
+    ``2**flood_bits * error_bound``, the dominant term) has standard deviation at most
+    ``2**-precision_bits``; ``raw_precision_bits``: :func:`error_bound` itself is at most
+    ``2**-raw_precision_bits``; ``magnitude_bits``: sums below ``2**magnitude_bits`` decrypt
+    correctly; ``bytes_per_value``: ciphertext bytes per value before compression.
+    """
+
+    params: CkksParams
+    security_bits: int
+    terms: int
+    flood_bits: int
+    precision_bits: float
+    raw_precision_bits: float
+    magnitude_bits: int
+    bytes_per_value: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the parameters flattened)."""
+        return {
+            "poly_modulus_degree": self.params.poly_modulus_degree,
+            "coeff_mod_bit_sizes": list(self.params.coeff_mod_bit_sizes),
+            "scale_bits": self.params.scale_bits,
+            "security_bits": self.security_bits,
+            "terms": self.terms,
+            "flood_bits": self.flood_bits,
+            "precision_bits": self.precision_bits,
+            "raw_precision_bits": self.raw_precision_bits,
+            "magnitude_bits": self.magnitude_bits,
+            "bytes_per_value": self.bytes_per_value,
+        }
+
+
+def describe_params(params: CkksParams, *, terms: int, flood_bits: int = 10) -> CkksSizing:
+    """The guarantees of ``params`` for a sum of ``terms`` released with ``flood_bits``."""
+    bound = error_bound(params, terms=terms)
+    data_primes = len(params.coeff_mod_bit_sizes) - 1
+    return CkksSizing(
+        params=params,
+        security_bits=security_level(params),
+        terms=terms,
+        flood_bits=flood_bits,
+        precision_bits=-math.log2(2.0**flood_bits * bound),
+        raw_precision_bits=-math.log2(bound),
+        magnitude_bits=params.magnitude_bits,
+        bytes_per_value=2 * data_primes * 8 * params.poly_modulus_degree / params.slots,
+    )
+
+
+# Special prime: only divides the fresh encryption noise (no key switching in sums); 20 bits
+# leave that noise far below the rounding noise at every degree.
+_SPECIAL_PRIME_BITS = 20
+
+
+def choose_params(
+    *,
+    precision_bits: int,
+    magnitude: float,
+    terms: int,
+    flood_bits: int = 10,
+    security_bits: int = 128,
+) -> CkksSizing:
+    """The smallest CKKS parameters for sums of ``terms`` contributions with ``|x| <=
+    magnitude``, released to ``precision_bits`` bits after the point with ``flood_bits`` of
+    flooding (see :class:`DecryptionRelease`), at ``security_bits`` (128, 192 or 256).
+
+    Smallest degree first, then the shortest chain: a scale just large enough for the
+    precision (by :func:`error_bound`), data primes just large enough for the scale plus the
+    sum's integer bits, and a 20-bit special prime. Promises parameters that
+    :meth:`CkksParams.validate` accepts and that meet the security row. Refuses (ValueError)
+    non-positive terms or magnitude, an unknown security level, and requirements no degree up
+    to 32768 can meet, saying which.
+    """
+    if security_bits not in MAX_COEFF_MODULUS_BITS:
+        raise ValueError(f"security_bits must be one of {sorted(MAX_COEFF_MODULUS_BITS)}")
+    if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
+        raise ValueError(f"terms must be a positive int, got {terms!r}")
+    if not (math.isfinite(magnitude) and magnitude > 0):
+        raise ValueError(f"magnitude must be a positive finite float, got {magnitude!r}")
+    if not 0 <= flood_bits <= 40 or not -20 <= precision_bits <= 60:
+        raise ValueError("flood_bits must be in [0, 40] and precision_bits in [-20, 60]")
+    sum_bits = max(0, math.ceil(math.log2(terms * magnitude)))
+    limits = MAX_COEFF_MODULUS_BITS[security_bits]
+    tried = []
+    for degree in sorted(limits):
+        # error_bound = 6 * 3.2 * sqrt(4/3) * N * sqrt(terms) / 2**scale
+        noise_bits = math.log2(6.0 * _SEAL_ERROR_STD * math.sqrt(4.0 / 3.0) * degree)
+        scale = max(
+            _MIN_SCALE_BITS,
+            math.ceil(precision_bits + flood_bits + noise_bits + 0.5 * math.log2(terms)),
+        )
+        primes = _data_primes(scale=scale, sum_bits=sum_bits)
+        if primes is None:
+            tried.append(f"{degree}: scale {scale} leaves no room below {_MAX_PRIME_BITS} bits")
+            continue
+        sizes = (*primes, max(_SPECIAL_PRIME_BITS, int(math.log2(2 * degree)) + 1))
+        if sum(sizes) > limits[degree]:
+            tried.append(f"{degree}: {sum(sizes)} bits > {limits[degree]}")
+            continue
+        params = CkksParams(poly_modulus_degree=degree, coeff_mod_bit_sizes=sizes, scale_bits=scale)
+        params.validate()
+        return describe_params(params, terms=terms, flood_bits=flood_bits)
+    raise ValueError(
+        f"no CKKS parameters give {precision_bits} bits after the point (flood_bits "
+        f"{flood_bits}) for sums of {terms} values up to {magnitude:g} at {security_bits}-bit "
+        f"security: {'; '.join(tried)}; lower the precision or the magnitude"
+    )
+
+
+def _data_primes(*, scale: int, sum_bits: int) -> tuple[int, ...] | None:
+    """Data prime sizes holding ``scale + sum_bits`` bits with the margins of
+    :attr:`CkksParams.magnitude_bits`, valid under :meth:`CkksParams.validate`; None if the
+    scale cannot fit below the largest prime."""
+    if scale >= _MAX_PRIME_BITS:
+        return None
+    for count in range(1, 8):
+        # Q >= 2**(total - count) must exceed 2**(scale + sum_bits + 2)
+        total = scale + sum_bits + 2 + count
+        first = total - (count - 1) * scale if count > 1 else total
+        if count > 1 and first <= scale:  # spread evenly, every middle prime >= scale
+            size = math.ceil(total / count)
+            sizes = (max(size, scale + 1), *([max(size, scale)] * (count - 1)))
+        else:
+            sizes = (first, *([scale] * (count - 1)))
+        if all(bits <= _MAX_PRIME_BITS for bits in sizes):
+            return sizes
+    return None
 
 
 @dataclass
@@ -538,6 +729,9 @@ class CkksPublic:
         self._context = context
         self._codec = _CkksCodec(context, params)
         self._fingerprint = context_fingerprint(context_bytes)
+        # chunk length -> encryptions of zero of that length, each to be used once
+        self._zeros: dict[int, list[Any]] = {}
+        self._zero_count = 0
 
     @property
     def params(self) -> CkksParams:
@@ -573,11 +767,41 @@ class CkksPublic:
         packed.length = last * self.slots + vector.size()
         return packed
 
+    @property
+    def prepared_zeros(self) -> int:
+        """How many encryptions of zero are ready for :meth:`encrypt`."""
+        return self._zero_count
+
+    def prepare_zeros(self, length: int) -> None:
+        """Precompute the encryptions of zero that an :meth:`encrypt` of ``length`` values will
+        use (its full chunks and its last, partial one), so that call only encodes and adds.
+
+        Call it off the critical path: TenSEAL holds the GIL, so from a thread it overlaps
+        with waiting (on the network), not with other computation. Refuses a negative length
+        and more than :data:`MAX_PREPARED_ZEROS` ready ciphertexts (CkksError).
+        """
+        if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0:
+            raise CkksError(f"length must be a non-negative int, got {length!r}.")
+        count = _num_chunks(int(length), self.slots)
+        if self._zero_count + count > MAX_PREPARED_ZEROS:
+            raise CkksError(
+                f"{self._zero_count} encryptions of zero are ready and {count} more would pass "
+                f"the limit of {MAX_PREPARED_ZEROS}; encrypt first."
+            )
+        for index in range(count):
+            size = _chunk_length(index, int(length), self.slots)
+            zero = ts.ckks_vector(self._context, np.zeros(size))
+            self._zeros.setdefault(size, []).append(zero)
+            self._zero_count += 1
+
     def encrypt(self, x: Any) -> PackedCiphertexts:
         """Encrypt an array: flattened (C order) into chunks of ``slots`` values each.
 
-        Refuses with :class:`CkksError` non-numeric or non-finite input and values too large
-        for the scale. An empty array gives zero chunks.
+        A chunk uses a prepared encryption of zero of its length when one is ready (see
+        :meth:`prepare_zeros`), else encrypts afresh: the same distribution either way.
+        Refuses with :class:`CkksError` non-numeric or non-finite input and values beyond
+        ``2**params.magnitude_bits`` (too large for a sum to decrypt). An empty array gives
+        zero chunks.
         """
         try:
             flat = np.asarray(x, dtype=np.float64).reshape(-1)
@@ -585,10 +809,24 @@ class CkksPublic:
             raise CkksError(f"cannot encrypt this input as float64 values: {exc}.") from exc
         if not np.all(np.isfinite(flat)):
             raise CkksError("cannot encrypt NaN or infinite values; check the contribution.")
+        limit = 2.0**self.params.magnitude_bits
+        if flat.size and float(np.max(np.abs(flat))) >= limit:
+            raise CkksError(
+                f"values are too large: max |x| {float(np.max(np.abs(flat))):g} reaches "
+                f"2^{self.params.magnitude_bits}, beyond which a sum no longer decrypts with "
+                f"these parameters; choose parameters for a larger magnitude (choose_params)."
+            )
         chunks: list[bytes] = []
         for start in range(0, flat.size, self.slots):
+            values = flat[start : start + self.slots]
+            ready = self._zeros.get(values.size)
             try:
-                vector = ts.ckks_vector(self._context, flat[start : start + self.slots])
+                if ready:
+                    vector = ready.pop()  # used once: a reused zero would leak differences
+                    self._zero_count -= 1
+                    vector.add_(values)
+                else:
+                    vector = ts.ckks_vector(self._context, values)
             except (ValueError, RuntimeError) as exc:  # "encoded values are too large"
                 raise CkksError(f"cannot encrypt values starting at index {start}: {exc}.") from exc
             chunks.append(vector.serialize())

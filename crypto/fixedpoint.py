@@ -4,6 +4,12 @@ A float ``x`` with ``|x| <= bound`` is encoded as ``round(x * 2**frac_bits)``, s
 and reinterpreted as uint64 (two's complement), so that uint64 addition, which NumPy wraps
 modulo 2^64, is signed fixed-point addition. Values beyond ``bound`` are refused or clipped,
 never silently wrapped.
+
+Fast path. When ``|round(bound * 2**frac_bits)| <= 2**51`` (every practical configuration),
+rounding is one float addition: ``y = x + 1.5 * 2**(52 - frac_bits)`` lands in a binade whose
+spacing is exactly ``2**-frac_bits``, so IEEE round-to-nearest-even makes the bit pattern of
+``y`` equal to ``round(x * 2**frac_bits)`` plus a constant (:attr:`FixedPointEncoder.shift`).
+That is bit-for-bit ``rint(x * 2**frac_bits)``, written straight into the uint64 output.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ import numpy as np
 
 __all__ = ["FixedPointEncoder", "FixedPointOverflow", "SumDidNotCancel", "ENCODE_CHUNK_WORDS"]
 
-# Work in chunks that stay in L2 cache: one float64 scratch chunk plus the output chunk.
+# Work in chunks that stay in L2 cache: the input chunk plus the output chunk.
 ENCODE_CHUNK_WORDS = 1 << 15
 
 _RING_SIGNED_MAX = (1 << 63) - 1
+# x + 1.5 * 2**(52 - f) stays in one binade (spacing 2**-f) while |x * 2**f| <= 2**51.
+_MAGIC_LIMIT = 1 << 51
 _ON_OVERFLOW_MODES = ("raise", "clip")
 
 
@@ -69,6 +77,11 @@ class FixedPointEncoder:
         self._inv_scale = float(2.0**-frac_bits)
         # Largest |encoded integer| of one value; rounding never exceeds the ceiling.
         self._bound_int = max(1, math.ceil(bound * self._scale))
+        self._magic: float | None = None
+        self.shift = np.uint64(0)
+        if self._bound_int <= _MAGIC_LIMIT:
+            self._magic = 1.5 * 2.0 ** (52 - frac_bits)
+            self.shift = np.array([self._magic], dtype=np.float64).view(np.uint64)[0]
 
     def __repr__(self) -> str:
         return (
@@ -93,9 +106,7 @@ class FixedPointEncoder:
         others (TypeError). Raises :class:`FixedPointOverflow` for NaN/inf (in every mode) and
         for ``|x| > bound`` in ``"raise"`` mode, naming the largest magnitude and the bound.
         """
-        x = np.asarray(x)
-        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-            raise TypeError(f"can only encode real numbers, got dtype {x.dtype}")
+        x = self.check_dtype(x)
         flat_in = x.reshape(-1)
         if out is None:
             out = np.empty(flat_in.size, dtype=np.uint64)
@@ -104,38 +115,72 @@ class FixedPointEncoder:
                 f"out must be a C-contiguous uint64 array of {flat_in.size} elements, got "
                 f"dtype {out.dtype}, size {out.size}"
             )
-        flat_out = out.reshape(-1).view(np.int64)
-        scratch = np.empty(min(ENCODE_CHUNK_WORDS, flat_in.size), dtype=np.float64)
+        flat_out = out.reshape(-1)
         for start in range(0, flat_in.size, ENCODE_CHUNK_WORDS):
             stop = min(start + ENCODE_CHUNK_WORDS, flat_in.size)
-            chunk = flat_in[start:stop]
-            if not self._encode_chunk(chunk, flat_out[start:stop], scratch[: stop - start]):
-                raise self._refusal(flat_in)
+            if not self.encode_shifted(flat_in[start:stop], flat_out[start:stop]):
+                raise self.refusal(flat_in)
+        if self.shift:
+            np.subtract(flat_out, self.shift, out=flat_out)
         return out.reshape(x.shape)
 
-    def _encode_chunk(self, chunk: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> bool:
-        """Encode one chunk into ``out``; return False (writing nothing) if it must be refused."""
-        lo, hi = chunk.min(), chunk.max()
+    @staticmethod
+    def check_dtype(x: np.ndarray) -> np.ndarray:
+        """``x`` as an array if its dtype is real (floating or integer); TypeError otherwise."""
+        x = np.asarray(x)
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise TypeError(f"can only encode real numbers, got dtype {x.dtype}")
+        return x
+
+    def encode_shifted(self, chunk: np.ndarray, out: np.ndarray) -> bool:
+        """Write ``encode(chunk) + shift`` (mod 2^64) into ``out``; the building block of fused
+        masking, which folds the subtraction of :attr:`shift` into its masks.
+
+        ``chunk`` is a 1-d real array (dtype already checked), ``out`` a C-contiguous 1-d uint64
+        array of the same size; no other memory is written. Returns False when the chunk must
+        be refused (NaN/inf, or beyond the bound in ``"raise"`` mode); ``out`` is then garbage
+        and the caller must discard it.
+        """
+        if chunk.size == 0:
+            return True
+        # Compared as Python floats: NumPy would round the bound to a float16/32 input's dtype.
+        lo, hi = float(chunk.min()), float(chunk.max())
         # The comparisons are False for NaN, so NaN falls into this branch too.
-        if not (lo >= -self.bound and hi <= self.bound):
-            if self.on_overflow == "raise" or not (np.isfinite(lo) and np.isfinite(hi)):
-                return False
+        clip = not (lo >= -self.bound and hi <= self.bound)
+        if clip and (self.on_overflow == "raise" or not (math.isfinite(lo) and math.isfinite(hi))):
+            return False
+        if self._magic is None:
+            return self._encode_generic(chunk, out, clip=clip)
+        # The output doubles as float64 scratch: y = x + magic, whose bits are the encoding.
+        as_float = out.view(np.float64)
+        if clip:
+            np.clip(chunk, -self.bound, self.bound, out=as_float, dtype=np.float64)
+            np.add(as_float, self._magic, out=as_float)
+        else:
+            np.add(chunk, self._magic, out=as_float, dtype=np.float64)
+        return True
+
+    def _encode_generic(self, chunk: np.ndarray, out: np.ndarray, *, clip: bool) -> bool:
+        """``rint(x * 2**frac_bits)`` through a float64 scratch, for bounds beyond 2**51 ulps."""
+        scratch = np.empty(chunk.size, dtype=np.float64)
+        if clip:
             np.clip(chunk, -self.bound, self.bound, out=scratch, dtype=np.float64)
             np.multiply(scratch, self._scale, out=scratch)
         else:
             np.multiply(chunk, self._scale, out=scratch, dtype=np.float64)
         np.rint(scratch, out=scratch)
-        np.copyto(out, scratch, casting="unsafe")
+        np.copyto(out.view(np.int64), scratch, casting="unsafe")
         return True
 
-    def _refusal(self, x: np.ndarray) -> FixedPointOverflow:
+    def refusal(self, x: np.ndarray) -> FixedPointOverflow:
         """Describe why ``x`` (the whole input) cannot be encoded; only on the error path."""
-        as_float = x.astype(np.float64)
+        as_float = np.asarray(x).astype(np.float64)
         non_finite = int(np.count_nonzero(~np.isfinite(as_float)))
         if non_finite:
             return FixedPointOverflow(
                 f"cannot encode NaN or inf: the input holds {non_finite} non-finite value(s) "
-                f"out of {x.size}; fix the computation that produced them (clipping cannot)"
+                f"out of {as_float.size}; fix the computation that produced them (clipping "
+                "cannot)"
             )
         max_abs = float(np.max(np.abs(as_float)))
         return FixedPointOverflow(

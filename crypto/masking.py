@@ -6,22 +6,35 @@ it otherwise. Stage 2, at the aggregator: ``MaskedSumAggregator.add`` adds the c
 every pairwise mask appears once with each sign, so the masks cancel and only the sum remains.
 Stage 3, at the receiver: ``decode_sum``. Masks are derived for the exact group, so a sum over
 any subset of parties cancels, and a sum missing a contributor decodes to an error, not garbage.
+
+A call that masks several tensors for one group (``MaskedSumParty.mask_many``) uses one keystream
+per pair for all of them (``MaskCallDomain``: the tensors' names and sizes are part of the key,
+each tensor's mask is the segment at its offset). Encoding and masking are fused chunk by chunk
+in preallocated buffers, and the masks of a future call can be prepared on a background thread
+(``MaskedSumParty.prepare``); every path gives the bits of ``crypto.reference.reference_mask``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from crypto.fixedpoint import FixedPointEncoder
 from crypto.keys import MaskingKeyPair, length_prefixed, pair_key
-from crypto.prg import KEYSTREAM_CHUNK_WORDS, Keystream, stream_key
+from crypto.prg import MAX_FILL_WORDS, Keystream, stream_key
 
 __all__ = [
+    "MASK_CALL_PREFIX",
+    "MASK_CHUNK_WORDS",
     "MASK_DOMAIN_PREFIX",
+    "MAX_PREPARED",
+    "MaskCallDomain",
     "MaskDomain",
     "MaskedSumAggregator",
     "MaskedSumParty",
@@ -30,6 +43,14 @@ __all__ = [
 ]
 
 MASK_DOMAIN_PREFIX = b"securevfl/mask-domain/v1"
+MASK_CALL_PREFIX = b"securevfl/mask-call/v1"
+# One fused chunk: input, output and a keystream chunk stay in L2 cache together.
+MASK_CHUNK_WORDS = 1 << 15
+# Each pending preparation holds 8 bytes per value of the call it prepares.
+MAX_PREPARED = 8
+# Encrypting zeros yields the raw keystream: one shared read-only block is the input.
+_ZEROS = memoryview(bytes(8 * MASK_CHUNK_WORDS))
+assert MASK_CHUNK_WORDS <= MAX_FILL_WORDS
 
 
 def _check_group(group: Sequence[str]) -> tuple[str, ...]:
@@ -60,30 +81,85 @@ class MaskDomain:
     tensor: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.session, bytes) or not self.session:
-            raise ValueError("session must be non-empty bytes")
-        if isinstance(self.round, bool) or not isinstance(self.round, int | np.integer):
-            raise TypeError(f"round must be an int, got {type(self.round).__name__}")
-        if not 0 <= self.round < 2**64:
-            raise ValueError(f"round must be in [0, 2**64), got {self.round}")
+        _check_domain_fields(self)
         if not isinstance(self.tensor, str) or not self.tensor:
             raise ValueError(f"tensor must be a non-empty name, got {self.tensor!r}")
-        members = _check_group(self.group)
-        if not members:
-            raise ValueError("group must name at least one party")
-        object.__setattr__(self, "round", int(self.round))
-        object.__setattr__(self, "group", tuple(sorted(members)))
 
     def encode(self) -> bytes:
         """Unambiguous bytes: prefix, then length-prefixed session, round, sorted group, tensor."""
+        parts = [MASK_DOMAIN_PREFIX, *_group_fields(self), length_prefixed(self.tensor.encode())]
+        return b"".join(parts)
+
+
+def _check_domain_fields(domain: MaskDomain | MaskCallDomain) -> None:
+    """Check session, round and group of a domain; normalise round to int, group to sorted."""
+    if not isinstance(domain.session, bytes) or not domain.session:
+        raise ValueError("session must be non-empty bytes")
+    if isinstance(domain.round, bool) or not isinstance(domain.round, int | np.integer):
+        raise TypeError(f"round must be an int, got {type(domain.round).__name__}")
+    if not 0 <= domain.round < 2**64:
+        raise ValueError(f"round must be in [0, 2**64), got {domain.round}")
+    members = _check_group(domain.group)
+    if not members:
+        raise ValueError("group must name at least one party")
+    object.__setattr__(domain, "round", int(domain.round))
+    object.__setattr__(domain, "group", tuple(sorted(members)))
+
+
+def _group_fields(domain: MaskDomain | MaskCallDomain) -> list[bytes]:
+    return [
+        length_prefixed(domain.session),
+        domain.round.to_bytes(8, "big"),
+        len(domain.group).to_bytes(4, "big"),
+        *(length_prefixed(member.encode()) for member in domain.group),
+    ]
+
+
+@dataclass(frozen=True)
+class MaskCallDomain:
+    """What the masks of one call over several tensors are for: (session, round, group,
+    tensors), ``tensors`` being (name, number of values) pairs, kept sorted by name.
+
+    One keystream per pair covers the tensors back to back in that order; a tensor's mask is
+    the segment at its offset. The names and sizes are part of the key, so each segment is
+    bound to its tensor, and masks cancel only among members that masked the same call.
+    Refuses fewer than two tensors (one tensor is a :class:`MaskDomain`), empty or duplicate
+    names, negative sizes, and what :class:`MaskDomain` refuses for session, round and group.
+    """
+
+    session: bytes
+    round: int
+    group: tuple[str, ...]
+    tensors: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        _check_domain_fields(self)
+        tensors = tuple(self.tensors)
+        if len(tensors) < 2:
+            raise ValueError("a call domain covers at least 2 tensors; use MaskDomain for one")
+        for entry in tensors:
+            name, size = entry
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tensor must be a non-empty name, got {name!r}")
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
+                raise ValueError(f"size of tensor {name!r} must be a non-negative int")
+        names = [name for name, _ in tensors]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"the call names a tensor more than once: {duplicates}")
+        object.__setattr__(
+            self, "tensors", tuple(sorted((name, int(size)) for name, size in tensors))
+        )
+
+    def encode(self) -> bytes:
+        """Unambiguous bytes: prefix, session, round, sorted group, then each (name, size)."""
         parts = [
-            MASK_DOMAIN_PREFIX,
-            length_prefixed(self.session),
-            self.round.to_bytes(8, "big"),
-            len(self.group).to_bytes(4, "big"),
-            *(length_prefixed(member.encode()) for member in self.group),
-            length_prefixed(self.tensor.encode()),
+            MASK_CALL_PREFIX,
+            *_group_fields(self),
+            len(self.tensors).to_bytes(4, "big"),
         ]
+        for name, size in self.tensors:
+            parts += [length_prefixed(name.encode()), size.to_bytes(8, "big")]
         return b"".join(parts)
 
 
@@ -109,8 +185,16 @@ class MaskedSumParty:
 
     Holds one party's X25519 masking key and the pinned public keys of the others. Pair keys
     are derived lazily and cached. Refuses a pinned key for itself that differs from its own,
-    and (in :meth:`mask`) to mask twice under the same domain, which would reuse a keystream and
-    reveal the difference of the two inputs to the aggregator.
+    and (in :meth:`mask` / :meth:`mask_many`) to mask twice under the same domain, which would
+    reuse a keystream and reveal the difference of the two inputs to the aggregator.
+
+    Speed. Encoding and masking are fused: each chunk of the output is encoded in place and
+    receives every pair's keystream while it is in cache, with no temporaries. ``threads > 1``
+    splits a large call into ranges masked concurrently (AES and NumPy release the GIL; each
+    range opens the keystreams at its own offset). :meth:`prepare` computes the masks of a
+    future call on a background thread, so that call only encodes and adds. Results are bit
+    for bit those of :func:`crypto.reference.reference_mask` whatever the path. One object
+    serves one caller thread at a time.
     """
 
     def __init__(
@@ -121,6 +205,7 @@ class MaskedSumParty:
         peer_publics: Mapping[str, bytes],
         session: bytes,
         encoder: FixedPointEncoder,
+        threads: int = 1,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -130,6 +215,8 @@ class MaskedSumParty:
             raise ValueError("session must be non-empty bytes (the federation's session id)")
         if not isinstance(encoder, FixedPointEncoder):
             raise TypeError(f"encoder must be a FixedPointEncoder, got {type(encoder).__name__}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
         peers: dict[str, bytes] = {}
         for peer, public in peer_publics.items():
             if not isinstance(public, bytes) or len(public) != 32:
@@ -145,10 +232,15 @@ class MaskedSumParty:
         self.name = name
         self.session = session
         self.encoder = encoder
+        self.threads = threads
         self._keypair = keypair
         self._peer_publics = peers
         self._pair_keys: dict[str, bytes] = {}
         self._used_domains: set[bytes] = set()
+        # domain digest -> (buffer of the prepared masks, the job filling it)
+        self._prepared: dict[bytes, tuple[np.ndarray, Future[None]]] = {}
+        self._prefetch_pool: ThreadPoolExecutor | None = None
+        self._split_pool: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
         return f"MaskedSumParty(name={self.name!r}, peers={sorted(self._peer_publics)})"
@@ -166,8 +258,8 @@ class MaskedSumParty:
             self._pair_keys[peer] = key
         return key
 
-    def domain(self, *, round: int, group: Sequence[str], tensor: str) -> MaskDomain:
-        """The mask domain of one contribution, after checking that this party may send it."""
+    def _members(self, group: Sequence[str]) -> tuple[str, ...]:
+        """The group, after checking that this party may contribute to a masked sum over it."""
         members = _check_group(group)
         if self.name not in members:
             raise ValueError(f"party {self.name!r} is not in the group {list(members)}")
@@ -182,49 +274,338 @@ class MaskedSumParty:
                 f"no pinned masking public key for group member(s) {unpinned}; add them to the "
                 "federation config"
             )
+        return members
+
+    def domain(self, *, round: int, group: Sequence[str], tensor: str) -> MaskDomain:
+        """The mask domain of one contribution, after checking that this party may send it."""
+        members = self._members(group)
         return MaskDomain(session=self.session, round=round, group=members, tensor=tensor)
 
-    def mask(self, x: np.ndarray, *, round: int, group: Sequence[str], tensor: str) -> np.ndarray:
+    def call_domain(
+        self, *, round: int, group: Sequence[str], sizes: Mapping[str, int]
+    ) -> MaskDomain | MaskCallDomain:
+        """The domain of a call masking the tensors ``sizes`` (name -> number of values).
+
+        One tensor: its :class:`MaskDomain` (so a one-tensor call is exactly :meth:`mask`).
+        Several: a :class:`MaskCallDomain`. Refuses what :meth:`domain` refuses, no tensors,
+        and what the domain classes refuse.
+        """
+        members = self._members(group)
+        if not isinstance(sizes, Mapping) or not sizes:
+            raise ValueError("a masking call needs at least one named tensor")
+        if len(sizes) == 1:
+            (tensor,) = sizes
+            return MaskDomain(session=self.session, round=round, group=members, tensor=tensor)
+        return MaskCallDomain(
+            session=self.session, round=round, group=members, tensors=tuple(sizes.items())
+        )
+
+    def _streams(self, domain: MaskDomain | MaskCallDomain) -> list[tuple[bytes, bool]]:
+        """(stream key, add?) per other member: add if this party's name sorts first."""
+        domain_bytes = domain.encode()
+        return [
+            (stream_key(pair_key=self._pair_key(peer), domain=domain_bytes), self.name < peer)
+            for peer in domain.group
+            if peer != self.name
+        ]
+
+    def _check_unused(self, domain: MaskDomain | MaskCallDomain, digest: bytes) -> None:
+        if digest in self._used_domains:
+            what = (
+                f"tensor {domain.tensor!r}"
+                if isinstance(domain, MaskDomain)
+                else f"tensors {[name for name, _ in domain.tensors]}"
+            )
+            raise ValueError(
+                f"party {self.name!r} already masked a contribution for round {domain.round}, "
+                f"group {list(domain.group)}, {what}: masking again would reuse the "
+                "keystream and reveal the difference of the two inputs; resend the first "
+                "masked array or use a fresh round"
+            )
+
+    def mask(
+        self,
+        x: np.ndarray,
+        *,
+        round: int,
+        group: Sequence[str],
+        tensor: str,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Encode ``x`` and add this party's pairwise masks for ``group``; uint64 of ``x.shape``.
 
         For every other member v: add the keystream of stream_key(pair_key(self, v), domain) if
         ``self.name < v`` (string order), else subtract it. The result alone is uniformly random
-        in Z_2^64; the sum over the whole group is the encoded sum of the inputs. Refuses: this
+        in Z_2^64; the sum over the whole group is the encoded sum of the inputs. ``out`` (a
+        C-contiguous uint64 array of ``x.size`` elements) receives the result. Refuses: this
         party not in the group, a member with no pinned key, duplicate names, a group of one,
-        a group too large for the encoder's ring (``max_terms``), inputs the encoder refuses,
-        and a domain this object already masked under (keystream reuse; a restarted party must
-        resend its stored contribution rather than mask again).
+        a group too large for the encoder's ring (``max_terms``), inputs the encoder refuses
+        (``out`` is then zeroed), and a domain this object already masked under (keystream
+        reuse; a restarted party must resend its stored contribution rather than mask again).
         """
-        domain = self.domain(round=round, group=group, tensor=tensor)
+        return self.mask_many({tensor: x}, round=round, group=group, out=out)[tensor]
+
+    def mask_many(
+        self,
+        xs: Mapping[str, np.ndarray],
+        *,
+        round: int,
+        group: Sequence[str],
+        out: np.ndarray | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Mask several tensors of one call for one group: name -> uint64 array of its shape.
+
+        One keystream per pair covers all the tensors (:class:`MaskCallDomain`: sorted by name,
+        back to back), so the call pays one key derivation per pair, not one per tensor; each
+        tensor's mask is the segment at its offset. The results are views into one buffer of
+        ``sum(sizes)`` words (``out`` when given: C-contiguous uint64 of that size). Every
+        member must mask the same names and sizes for the masks to cancel. One tensor gives
+        exactly :meth:`mask`. Refuses what :meth:`mask` refuses, for any tensor (naming it).
+        """
+        if not isinstance(xs, Mapping):
+            raise TypeError(f"xs must map tensor names to arrays, got {type(xs).__name__}")
+        arrays = {tensor: self.encoder.check_dtype(x) for tensor, x in xs.items()}
+        domain = self.call_domain(
+            round=round, group=group, sizes={tensor: x.size for tensor, x in arrays.items()}
+        )
         self.encoder.check_terms(len(domain.group))
         domain_bytes = domain.encode()
-        domain_digest = hashlib.blake2b(domain_bytes, digest_size=16).digest()
-        if domain_digest in self._used_domains:
-            raise ValueError(
-                f"party {self.name!r} already masked a contribution for round {domain.round}, "
-                f"group {list(domain.group)}, tensor {tensor!r}: masking again would reuse the "
-                "keystream and reveal the difference of the two inputs; resend the first "
-                "masked array or use a fresh round"
-            )
-        masked = self.encoder.encode(x)
-        self._used_domains.add(domain_digest)
-        streams = [
+        digest = hashlib.blake2b(domain_bytes, digest_size=16).digest()
+        self._check_unused(domain, digest)
+        names = sorted(arrays)
+        inputs = [arrays[tensor].reshape(-1) for tensor in names]
+        offsets = [0, *itertools.accumulate(x.size for x in inputs)]
+        total = offsets[-1]
+        if out is not None and not (
+            isinstance(out, np.ndarray)
+            and out.dtype == np.uint64
+            and out.size == total
+            and out.flags.c_contiguous
+        ):
+            raise ValueError(f"out must be a C-contiguous uint64 array of {total} elements")
+        prepared = self._prepared.pop(digest, None)
+        net = _prepared_masks(prepared, total)
+        # Prepared masks become the output: the encodings are added into them in place.
+        in_place = out is None and net is not None
+        if out is None:
+            out = net if net is not None else np.empty(total, dtype=np.uint64)
+        flat_out = out.reshape(-1)
+        streams = [] if net is not None else self._streams(domain)
+        refused = self._run_fused(inputs, offsets, flat_out, streams, net, in_place)
+        if refused >= 0:
+            flat_out.fill(0)  # no partly masked data may escape; the domain stays usable
+            if prepared is not None and net is not None and not in_place:
+                self._prepared[digest] = prepared
+            error = self.encoder.refusal(inputs[refused])
+            if len(names) > 1:
+                error = type(error)(f"tensor {names[refused]!r}: {error}")
+            raise error
+        self._used_domains.add(digest)
+        return {
+            tensor: flat_out[offsets[i] : offsets[i + 1]].reshape(arrays[tensor].shape)
+            for i, tensor in enumerate(names)
+        }
+
+    def _run_fused(
+        self,
+        inputs: list[np.ndarray],
+        offsets: list[int],
+        out: np.ndarray,
+        streams: list[tuple[bytes, bool]],
+        net: np.ndarray | None,
+        in_place: bool,
+    ) -> int:
+        """Mask ``out`` in one or several ranges; -1, or the index of a refused tensor."""
+        total = offsets[-1]
+        parts = min(self.threads, total // MASK_CHUNK_WORDS)
+        # Range edges on chunk multiples: even word offsets, whole chunks per thread.
+        edges = [
+            (total * i // max(parts, 1)) // MASK_CHUNK_WORDS * MASK_CHUNK_WORDS
+            for i in range(max(parts, 1))
+        ] + [total]
+        jobs = [
             (
-                Keystream(stream_key(pair_key=self._pair_key(peer), domain=domain_bytes)),
-                np.add if self.name < peer else np.subtract,
+                self.encoder.encode_shifted,
+                inputs,
+                offsets,
+                out,
+                start,
+                stop,
+                streams,
+                net,
+                in_place,
+                self.encoder.shift,
             )
-            for peer in domain.group
-            if peer != self.name
+            for start, stop in itertools.pairwise(edges)
         ]
-        flat = masked.reshape(-1)
-        keystream_buffer = np.empty(min(KEYSTREAM_CHUNK_WORDS, flat.size), dtype=np.uint64)
-        for start in range(0, flat.size, KEYSTREAM_CHUNK_WORDS):
-            chunk = flat[start : start + KEYSTREAM_CHUNK_WORDS]
-            keystream = keystream_buffer[: chunk.size]
-            for stream, combine in streams:
-                stream.fill(keystream)
-                combine(chunk, keystream, out=chunk)
-        return masked
+        if len(jobs) == 1:
+            return _mask_range(*jobs[0])
+        if self._split_pool is None:
+            self._split_pool = ThreadPoolExecutor(
+                max_workers=self.threads - 1, thread_name_prefix="mask-split"
+            )
+        futures = [self._split_pool.submit(_mask_range, *job) for job in jobs[1:]]
+        results = [_mask_range(*jobs[0]), *(future.result() for future in futures)]
+        refused = [index for index in results if index >= 0]
+        return min(refused) if refused else -1
+
+    def prepare(
+        self, *, round: int, group: Sequence[str], sizes: Mapping[str, int]
+    ) -> Future[None]:
+        """Start computing, on a background thread, the masks of a future call; returns the job
+        (done when the masks are ready; waiting on it is never required).
+
+        ``sizes`` maps each tensor of that call to its number of values. A later :meth:`mask`
+        or :meth:`mask_many` with the same round, group, names and sizes then only encodes and
+        adds (bit-identical results); a call that differs ignores the prepared masks. Nothing
+        is sent and the domain is not used up. Refuses what :meth:`call_domain` refuses,
+        negative sizes, a domain already masked under, and more than
+        :data:`MAX_PREPARED` pending preparations (each holds ``8 * sum(sizes)`` bytes).
+        """
+        domain = self.call_domain(round=round, group=group, sizes=sizes)
+        self.encoder.check_terms(len(domain.group))
+        total = 0
+        for tensor, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
+                raise ValueError(f"size of tensor {tensor!r} must be a non-negative int")
+            total += int(size)
+        digest = hashlib.blake2b(domain.encode(), digest_size=16).digest()
+        self._check_unused(domain, digest)
+        stale = self._prepared.pop(digest, None)
+        if stale is not None:
+            if stale[0].size == total:
+                self._prepared[digest] = stale
+                return stale[1]
+            stale[1].cancel()  # same domain, other size: the new preparation replaces it
+        if len(self._prepared) >= MAX_PREPARED:
+            raise ValueError(
+                f"{MAX_PREPARED} preparations are already pending; mask or close() first"
+            )
+        streams = self._streams(domain)  # pair keys derived here: the worker only reads
+        if self._prefetch_pool is None:
+            self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prep")
+        net = np.empty(total, dtype=np.uint64)
+        future = self._prefetch_pool.submit(_net_mask, net, streams, self.encoder.shift)
+        self._prepared[digest] = (net, future)
+        return future
+
+    def close(self) -> None:
+        """Drop pending preparations and stop the worker threads; the object stays usable."""
+        for _, future in self._prepared.values():
+            future.cancel()
+        self._prepared.clear()
+        for pool in (self._prefetch_pool, self._split_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool = self._split_pool = None
+
+
+def _prepared_masks(
+    prepared: tuple[np.ndarray, Future[None]] | None, total: int
+) -> np.ndarray | None:
+    """The prepared masks (waiting for them) if they fit this call and were computed."""
+    if prepared is None:
+        return None
+    net, future = prepared
+    if net.size != total:
+        future.cancel()
+        return None
+    # A preparation that failed or was cancelled leaves the work to the call itself.
+    if future.cancelled() or future.exception() is not None:
+        return None
+    return net
+
+
+def _mask_range(
+    encode: Callable[[np.ndarray, np.ndarray], bool],
+    inputs: Sequence[np.ndarray],
+    offsets: Sequence[int],
+    out: np.ndarray,
+    start: int,
+    stop: int,
+    streams: Sequence[tuple[bytes, bool]],
+    net: np.ndarray | None,
+    in_place: bool,
+    shift: np.uint64,
+) -> int:
+    """Encode and mask words ``[start, stop)`` of the concatenated tensors into ``out``.
+
+    Chunk by chunk, while it is in cache: the encoder writes ``encoding + shift``, then either
+    the prepared masks ``net`` (which include ``-shift``) are added, or every pair's keystream
+    (opened at ``start``) and ``-shift`` are. ``in_place`` (``net`` is ``out``): the encodings
+    go to a scratch chunk and are added into it. Returns -1, or the index of the first
+    tensor the encoder refused (``out`` is then partly written).
+    """
+    if start >= stop:
+        return -1
+    scratch_words = min(MASK_CHUNK_WORDS, stop - start) if net is None or in_place else 0
+    scratch = np.empty(scratch_words, dtype=np.uint64)
+    scratch_bytes = scratch.view(np.uint8)
+    scratch_zeros = _ZEROS[: scratch_bytes.size]
+    fills = [
+        (Keystream(key, start_word=start).update_into, np.add if add else np.subtract)
+        for key, add in (streams if net is None else ())
+    ]
+    tensor = bisect.bisect_right(offsets, start) - 1
+    for chunk_start in range(start, stop, MASK_CHUNK_WORDS):
+        chunk_stop = min(chunk_start + MASK_CHUNK_WORDS, stop)
+        words = chunk_stop - chunk_start
+        chunk = out[chunk_start:chunk_stop]
+        encoded = scratch[:words] if in_place else chunk
+        position = chunk_start
+        while position < chunk_stop:
+            while offsets[tensor + 1] <= position:  # skips empty tensors too
+                tensor += 1
+            segment_stop = min(chunk_stop, offsets[tensor + 1])
+            base = offsets[tensor]
+            if not encode(
+                inputs[tensor][position - base : segment_stop - base],
+                encoded[position - chunk_start : segment_stop - chunk_start],
+            ):
+                return tensor
+            position = segment_stop
+        if net is not None:
+            np.add(chunk, encoded if in_place else net[chunk_start:chunk_stop], out=chunk)
+            continue
+        if words == scratch.size:
+            buffer, buffer_bytes, zeros = scratch, scratch_bytes, scratch_zeros
+        else:
+            buffer, buffer_bytes = scratch[:words], scratch_bytes[: 8 * words]
+            zeros = _ZEROS[: 8 * words]
+        for fill, combine in fills:
+            fill(zeros, buffer_bytes)
+            combine(chunk, buffer, out=chunk)
+        if shift:
+            np.subtract(chunk, shift, out=chunk)
+    return -1
+
+
+def _net_mask(net: np.ndarray, streams: Sequence[tuple[bytes, bool]], shift: np.uint64) -> None:
+    """Write this party's whole mask minus ``shift`` (the sum of +-keystreams) into ``net``."""
+    total = net.size
+    if total == 0:
+        return
+    ordered = sorted(streams, key=lambda stream: not stream[1])  # an added stream first
+    negate = not ordered[0][1]  # every stream is subtracted: sum them, negate at the end
+    fills = [Keystream(key).update_into for key, _ in ordered]
+    combines = [np.add if add or negate else np.subtract for _, add in ordered[1:]]
+    # -shift - sum, in one pass: np.subtract(minus_shift, chunk)
+    minus_shift = np.uint64((-int(shift)) % (1 << 64))
+    keystream = np.empty(min(MASK_CHUNK_WORDS, total), dtype=np.uint64)
+    keystream_bytes = keystream.view(np.uint8)
+    net_bytes = net.view(np.uint8)
+    for start in range(0, total, MASK_CHUNK_WORDS):
+        stop = min(start + MASK_CHUNK_WORDS, total)
+        words = stop - start
+        chunk, zeros = net[start:stop], _ZEROS[: 8 * words]
+        fills[0](zeros, net_bytes[8 * start : 8 * stop])  # the first stream straight in place
+        for fill, combine in zip(fills[1:], combines, strict=True):
+            fill(zeros, keystream_bytes[: 8 * words])
+            combine(chunk, keystream[:words], out=chunk)
+        if negate:
+            np.subtract(minus_shift, chunk, out=chunk)
+        elif shift:
+            np.subtract(chunk, shift, out=chunk)
 
 
 class MaskedSumAggregator:

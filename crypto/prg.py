@@ -11,16 +11,26 @@ import hmac
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-__all__ = ["KEYSTREAM_CHUNK_WORDS", "Keystream", "keystream_uint64", "stream_key"]
+__all__ = [
+    "KEYSTREAM_CHUNK_WORDS",
+    "MAX_FILL_WORDS",
+    "Keystream",
+    "keystream_uint64",
+    "stream_key",
+]
 
 STREAM_KEY_BYTES = 16
 # Keystream is produced in chunks that stay in L2 cache while they are consumed.
 KEYSTREAM_CHUNK_WORDS = 1 << 15
+# The largest piece one fill_words call takes: the size of the shared block of zeros.
+MAX_FILL_WORDS = 1 << 16
 _WORD_BYTES = 8
+_AES_BLOCK_BYTES = 16
+_WORDS_PER_BLOCK = _AES_BLOCK_BYTES // _WORD_BYTES
 # Encrypting zeros yields the raw keystream; one shared read-only block of zeros is the input.
-_ZERO_BLOCK = memoryview(bytes(KEYSTREAM_CHUNK_WORDS * _WORD_BYTES))
-# Counter block 0: safe because every stream key is used for exactly one domain.
-_INITIAL_COUNTER_BLOCK = bytes(16)
+_ZERO_BLOCK = memoryview(bytes(MAX_FILL_WORDS * _WORD_BYTES))
+# CTR counter blocks are 128-bit big-endian integers; OpenSSL increments all 128 bits.
+_COUNTER_LIMIT = 1 << 128
 
 
 def stream_key(*, pair_key: bytes, domain: bytes) -> bytes:
@@ -39,15 +49,33 @@ def stream_key(*, pair_key: bytes, domain: bytes) -> bytes:
 class Keystream:
     """An AES-128-CTR keystream read sequentially as uint64 words.
 
-    Successive :meth:`fill` calls continue the stream, so a long mask can be produced chunk by
-    chunk without holding it all in memory. Refuses a key that is not 16 bytes.
+    Word ``i`` of the stream is bytes ``[8i, 8i + 8)`` of AES-128-CTR under ``key`` from
+    counter block 0 (safe because every stream key is used for exactly one domain).
+    ``start_word`` opens the stream at word ``start_word`` (the counter is set to the block
+    holding it), so disjoint ranges of one stream can be produced independently, e.g. by
+    several threads. Successive fills continue the stream. Refuses a key that is not 16 bytes
+    and a negative ``start_word``.
     """
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, start_word: int = 0) -> None:
         if not isinstance(key, bytes) or len(key) != STREAM_KEY_BYTES:
             raise ValueError(f"keystream key must be {STREAM_KEY_BYTES} bytes (use stream_key())")
-        cipher = Cipher(algorithms.AES(key), modes.CTR(_INITIAL_COUNTER_BLOCK))
-        self._encryptor = cipher.encryptor()
+        if isinstance(start_word, bool) or not isinstance(start_word, int) or start_word < 0:
+            raise ValueError(f"start_word must be a non-negative int, got {start_word!r}")
+        block, skip_words = divmod(start_word, _WORDS_PER_BLOCK)
+        if block >= _COUNTER_LIMIT:
+            raise ValueError("start_word is beyond the 2**128 blocks of one AES-CTR stream")
+        counter = block.to_bytes(_AES_BLOCK_BYTES, "big")
+        self._encryptor = Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor()
+        # Bound once: the hot loop calls it per chunk without attribute lookups.
+        self.update_into = self._encryptor.update_into
+        if skip_words:
+            self._encryptor.update(bytes(skip_words * _WORD_BYTES))
+
+    def fill_words(self, out_bytes: np.ndarray) -> None:
+        """Overwrite ``out_bytes`` (a uint8 view of at most :data:`MAX_FILL_WORDS` words) with
+        the next keystream bytes. No checks: the fast path for callers that own the buffer."""
+        self.update_into(_ZERO_BLOCK[: out_bytes.size], out_bytes)
 
     def fill(self, out: np.ndarray) -> np.ndarray:
         """Overwrite ``out`` (uint64, C-contiguous) with the next ``out.size`` words; return it."""
@@ -58,16 +86,18 @@ class Keystream:
         for start in range(0, out_bytes.size, block):
             stop = min(start + block, out_bytes.size)
             source = _ZERO_BLOCK if stop - start == block else _ZERO_BLOCK[: stop - start]
-            self._encryptor.update_into(source, out_bytes[start:stop])
+            self.update_into(source, out_bytes[start:stop])
         return out
 
 
-def keystream_uint64(key: bytes, n: int, *, out: np.ndarray | None = None) -> np.ndarray:
-    """Return the first ``n`` uint64 words of the AES-128-CTR keystream of ``key``.
+def keystream_uint64(
+    key: bytes, n: int, *, out: np.ndarray | None = None, start_word: int = 0
+) -> np.ndarray:
+    """Return ``n`` uint64 words of the AES-128-CTR keystream of ``key``, from ``start_word``.
 
     With ``out`` (uint64, C-contiguous, exactly ``n`` elements) the words are written into it
-    without any other allocation. Deterministic for a key; refuses negative ``n``, a
-    mismatched ``out`` and a key that is not 16 bytes.
+    without any other allocation. Deterministic for a key; refuses negative ``n`` or
+    ``start_word``, a mismatched ``out`` and a key that is not 16 bytes.
     """
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
@@ -75,4 +105,4 @@ def keystream_uint64(key: bytes, n: int, *, out: np.ndarray | None = None) -> np
         out = np.empty(int(n), dtype=np.uint64)
     elif out.size != n:
         raise ValueError(f"out has {out.size} elements, expected n={n}")
-    return Keystream(key).fill(out)
+    return Keystream(key, start_word=start_word).fill(out)
