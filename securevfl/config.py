@@ -190,14 +190,26 @@ def load_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None)
     """
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8-sig")
+        raw = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError("config", f"file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError("config", f"{path} is a directory, not a TOML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "config", f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML ({exc}); fix the syntax") from None
     for dotted, value in (overrides or {}).items():
-        section, _, key = dotted.partition(".")
-        raw.setdefault(section, {})[key] = value
+        section, sep, key = str(dotted).partition(".")
+        if not sep or not section or not key:
+            raise ConfigError("--set", f"expected SECTION.KEY=VALUE, got {dotted!r}")
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {dotted}", f"[{section}] is not a table in {path}")
+        table[key] = value
     return parse_config(raw, source=path)
 
 
@@ -849,5 +861,7 @@ def _delta(raw: Any) -> float | None:
 
 
 def _resolve(base: Path, value: str | None) -> Path:
+    if value is not None and "\x00" in value:
+        raise ConfigError("path", f"{value!r} contains a NUL character; fix the path")
     p = Path(value) if value is not None else Path()
     return p if p.is_absolute() else (base / p).resolve()
