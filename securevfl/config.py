@@ -62,12 +62,17 @@ class DPConfig:
 
 @dataclass(frozen=True)
 class CkksConfig:
-    poly_modulus_degree: int = 8192
-    coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
-    scale_bits: int = 40
+    # None (default): sized to the sums (`securevfl.secure_sum.ckks_params`): the smallest
+    # degree and chain giving `precision_bits` released bits for sums of every party's values up
+    # to [secure] ckks.magnitude (default [secure] bound) at `security_bits`; set all three to fix
+    poly_modulus_degree: int | None = None
+    coeff_mod_bit_sizes: tuple[int, ...] | None = None
+    scale_bits: int | None = None
     # decrypted sums are flooded (2^flood_bits x the error bound) and rounded (2^-precision_bits)
-    precision_bits: int = 20
+    precision_bits: int = 12
     flood_bits: int = 10
+    security_bits: int = 128
+    magnitude: float | None = None
 
 
 @dataclass(frozen=True)
@@ -423,6 +428,10 @@ def validate(cfg: RunConfig) -> None:
             f"{encoded_bits:.0f} bits, leaving too little headroom in the 64-bit ring for sums; "
             "lower bound or frac_bits so that log2(bound) + frac_bits <= 58",
         )
+    if cfg.aggregation == "ckks":
+        from securevfl.secure_sum import ckks_params
+
+        ckks_params(cfg)  # sized to the sums, or the fixed ones checked; ConfigError otherwise
     from securevfl.methods import method_spec
 
     spec = method_spec(cfg.method)
@@ -599,6 +608,10 @@ def _string_list(v: Any, key: str) -> tuple[str, ...]:
 
 
 def _role_name(name: str, key: str) -> str:
+    if not isinstance(name, str):
+        raise ConfigError(key, f'a role name is a string, got {name!r}; e.g. name = "bank"')
+    if not name:
+        raise ConfigError(key, "a role name cannot be empty; name it, e.g. [parties.bureau]")
     if not set(name) <= ROLE_NAME_CHARS or len(name) > 64:
         raise ConfigError(
             key,
@@ -735,44 +748,59 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
 
 
 def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
-    known = {
-        "poly_modulus_degree",
-        "coeff_mod_bit_sizes",
-        "scale_bits",
-        "precision_bits",
-        "flood_bits",
-    }
+    manual = ("poly_modulus_degree", "coeff_mod_bit_sizes", "scale_bits")
+    known = {*manual, "precision_bits", "flood_bits", "security_bits", "magnitude"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"[secure] ckks.{k}", f"unknown key; known keys are {sorted(known)}")
+    given = [k for k in manual if k in raw]
+    if given and len(given) != len(manual):
+        missing = [k for k in manual if k not in raw]
+        raise ConfigError(
+            f"[secure] ckks.{given[0]}",
+            f"fixed CKKS parameters need all of {list(manual)}; add {missing}, or remove "
+            f"{given} to let securevfl size them to the sums",
+        )
     default = CkksConfig()
-    degree = _integer(
-        raw.get("poly_modulus_degree", default.poly_modulus_degree),
-        "[secure] ckks.poly_modulus_degree",
-        minimum=1024,
-    )
-    bits = raw.get("coeff_mod_bit_sizes", list(default.coeff_mod_bit_sizes))
-    if not isinstance(bits, list) or not bits:
-        raise ConfigError("[secure] ckks.coeff_mod_bit_sizes", f"must be a list, got {bits!r}")
-    bits_t = tuple(_integer(b, "[secure] ckks.coeff_mod_bit_sizes", minimum=17) for b in bits)
-    scale = _integer(
-        raw.get("scale_bits", default.scale_bits), "[secure] ckks.scale_bits", minimum=10
-    )
+    degree = bits_t = scale = None
+    if given:
+        degree = _integer(
+            raw["poly_modulus_degree"], "[secure] ckks.poly_modulus_degree", minimum=1024
+        )
+        bits = raw["coeff_mod_bit_sizes"]
+        if not isinstance(bits, list) or not bits:
+            raise ConfigError("[secure] ckks.coeff_mod_bit_sizes", f"must be a list, got {bits!r}")
+        bits_t = tuple(_integer(b, "[secure] ckks.coeff_mod_bit_sizes", minimum=17) for b in bits)
+        scale = _integer(raw["scale_bits"], "[secure] ckks.scale_bits", minimum=10)
     precision = _integer(
         raw.get("precision_bits", default.precision_bits),
         "[secure] ckks.precision_bits",
-        minimum=8,
+        minimum=0,
         maximum=40,
     )
     flood = _integer(
         raw.get("flood_bits", default.flood_bits), "[secure] ckks.flood_bits", minimum=0, maximum=40
     )
+    security = _integer(
+        raw.get("security_bits", default.security_bits), "[secure] ckks.security_bits"
+    )
+    if security not in (128, 192, 256):
+        raise ConfigError("[secure] ckks.security_bits", f"must be 128, 192 or 256, got {security}")
+    magnitude = raw.get("magnitude")
+    if magnitude is not None:
+        if isinstance(magnitude, bool) or not isinstance(magnitude, int | float):
+            raise ConfigError("[secure] ckks.magnitude", f"must be a number, got {magnitude!r}")
+        if not (math.isfinite(magnitude) and 0 < magnitude <= 2.0**40):
+            raise ConfigError("[secure] ckks.magnitude", f"must be in (0, 2^40], got {magnitude!r}")
+        magnitude = float(magnitude)
     return CkksConfig(
         poly_modulus_degree=degree,
         coeff_mod_bit_sizes=bits_t,
         scale_bits=scale,
         precision_bits=precision,
         flood_bits=flood,
+        security_bits=security,
+        magnitude=magnitude,
     )
 
 

@@ -381,6 +381,43 @@ def backend(name: str) -> SecureSumBackend:
         raise KeyError(f"unknown aggregation {name!r}; choose one of {sorted(BACKENDS)}") from None
 
 
+def ckks_params(cfg: Any) -> Any:
+    """The CKKS parameters of a run (a :class:`crypto.ckks.CkksParams`). Unless the config fixes
+    all three of degree, chain and scale, they are sized to the sums by
+    :func:`crypto.ckks.choose_params`: released values carry ``[secure] ckks.precision_bits``
+    bits after the point after ``flood_bits`` of flooding, for sums of up to every party's
+    value bounded by ``[secure] ckks.magnitude`` (default ``[secure] bound``, the bound masked
+    sums enforce too), at ``security_bits``. Raises ConfigError when no parameters fit or the
+    fixed ones are below 128-bit security."""
+    from crypto.ckks import CkksParams, choose_params
+    from securevfl.config import ConfigError
+
+    c = cfg.ckks
+    if c.poly_modulus_degree is not None:
+        params = CkksParams(
+            poly_modulus_degree=c.poly_modulus_degree,
+            coeff_mod_bit_sizes=tuple(c.coeff_mod_bit_sizes),
+            scale_bits=c.scale_bits,
+        )
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise ConfigError("[secure] ckks", str(exc)) from None
+        return params
+    magnitude = c.magnitude if c.magnitude is not None else cfg.bound
+    try:
+        sizing = choose_params(
+            precision_bits=c.precision_bits,
+            magnitude=magnitude,
+            terms=len(cfg.party_names) + 1,
+            flood_bits=c.flood_bits,
+            security_bits=c.security_bits,
+        )
+    except ValueError as exc:
+        raise ConfigError("[secure] ckks", str(exc)) from None
+    return sizing.params
+
+
 def ckks_context_tag(
     *,
     context: bytes,

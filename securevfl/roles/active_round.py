@@ -25,6 +25,7 @@ from securevfl.secure_sum import (
     backend,
     check_group,
     ckks_context_tag,
+    ckks_params,
     group_allowed,
 )
 from transport import Envelope
@@ -65,14 +66,17 @@ class ActiveRound:
         self.key_holder: Any = None
         self.ckks_context: bytes | None = None
         if cfg.aggregation == "ckks":
-            from crypto.ckks import CkksKeyHolder, CkksParams
+            from crypto.ckks import CkksKeyHolder, security_level
 
-            self.key_holder = CkksKeyHolder(
-                params=CkksParams(
-                    poly_modulus_degree=cfg.ckks.poly_modulus_degree,
-                    coeff_mod_bit_sizes=cfg.ckks.coeff_mod_bit_sizes,
-                    scale_bits=cfg.ckks.scale_bits,
-                )
+            params = ckks_params(cfg)
+            self.key_holder = CkksKeyHolder(params=params)
+            logger.info(
+                "ckks: degree %d, chain %s, scale 2^%d (%d-bit security), context %s",
+                params.poly_modulus_degree,
+                list(params.coeff_mod_bit_sizes),
+                params.scale_bits,
+                security_level(params),
+                self.key_holder.context_fingerprint,
             )
             self.ckks_context = self.key_holder.public_context_bytes()
         release = None

@@ -47,8 +47,9 @@ def test_plain_and_secure_give_the_same_metrics(demo_runs, secure):
 def test_ckks_bytes_show_the_expansion(demo_runs):
     plain = demo_runs["plain"][0]["roles"]
     ckks = demo_runs["ckks"][0]["roles"]
-    # every party encrypts 32x8 values per step into one ~330 kB ciphertext
-    assert ckks["mean"]["bytes_sent"] > 100 * plain["mean"]["bytes_sent"]
+    # every party encrypts 32x8 values per step into one ciphertext of 2048 slots (degree 4096,
+    # sized to the demo's sums): ~60 kB where plain sends ~1 kB
+    assert ckks["mean"]["bytes_sent"] > 20 * plain["mean"]["bytes_sent"]
     # and the active party receives only the summed ciphertexts, not each party's
     assert ckks["active"]["bytes_received"] < 1.5 * ckks["mean"]["bytes_sent"]
 

@@ -1,0 +1,80 @@
+"""CKKS parameters of a run: sized to the sums by default (smallest degree and chain for the
+released precision, the values' bound and the number of parties, at the security level asked
+for), or fixed in the config, all three keys or none."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from crypto.ckks import describe_params, error_bound, security_level
+from securevfl.config import ConfigError, parse_config
+from securevfl.secure_sum import ckks_params
+
+BASE = {
+    "run": {"method": "splitnn", "aggregation": "ckks", "seed": 0},
+    "data": {"path": "data.csv", "id": "ID", "label": "Y", "task": "binary"},
+    "active": {"columns": []},
+    "parties": {"a": {"columns": ["X1"]}, "b": {"columns": ["X2"]}, "c": {"columns": ["X3"]}},
+    "train": {"epochs": 1, "batch_size": 16, "lr": 0.01},
+}
+
+
+def cfg(**secure):
+    raw = copy.deepcopy(BASE)
+    ckks = secure.pop("ckks", None)
+    raw["secure"] = dict(secure)
+    if ckks is not None:
+        raw["secure"]["ckks"] = ckks
+    return parse_config(raw)
+
+
+def test_default_parameters_are_sized_to_the_bound_precision_and_parties():
+    c = cfg(bound=1024.0)
+    params = ckks_params(c)
+    terms = len(c.party_names) + 1
+    sizing = describe_params(params, terms=terms, flood_bits=c.ckks.flood_bits)
+    # released error (flooding dominates) within the configured precision
+    assert 2.0**c.ckks.flood_bits * error_bound(params, terms=terms) <= 2.0**-c.ckks.precision_bits
+    assert sizing.magnitude_bits >= 12  # sums of 4 values up to 2^10 fit
+    assert security_level(params) >= 128
+    # one data prime at degree 4096: a third of the bytes of the old fixed 8192/(60,40,40,60)
+    assert params.poly_modulus_degree == 4096 and len(params.coeff_mod_bit_sizes) == 2
+
+
+def test_a_larger_bound_or_security_level_buys_a_longer_chain_or_degree():
+    small = ckks_params(cfg(bound=1024.0))
+    wide = ckks_params(cfg(bound=2.0**20))
+    strong = ckks_params(cfg(bound=1024.0, ckks={"security_bits": 256}))
+    assert len(wide.coeff_mod_bit_sizes) > len(small.coeff_mod_bit_sizes)
+    assert security_level(strong) >= 256
+    # ckks.magnitude overrides the bound for CKKS only
+    assert ckks_params(cfg(bound=2.0**20, ckks={"magnitude": 1024.0})) == small
+
+
+def test_fixed_parameters_are_used_as_given():
+    fixed = {"poly_modulus_degree": 8192, "coeff_mod_bit_sizes": [60, 40, 40, 60], "scale_bits": 40}
+    params = ckks_params(cfg(ckks=fixed))
+    assert params.poly_modulus_degree == 8192
+    assert tuple(params.coeff_mod_bit_sizes) == (60, 40, 40, 60) and params.scale_bits == 40
+
+
+@pytest.mark.parametrize(
+    ("ckks", "words"),
+    [
+        ({"poly_modulus_degree": 8192}, "need all of"),
+        ({"security_bits": 100}, "128, 192 or 256"),
+        ({"magnitude": -1.0}, "must be in"),
+        ({"precision_bits": 40}, "no CKKS parameters"),
+        (
+            {"poly_modulus_degree": 2048, "coeff_mod_bit_sizes": [60, 60], "scale_bits": 40},
+            "",
+        ),
+    ],
+)
+def test_impossible_or_partial_parameters_are_refused_at_load(ckks, words):
+    with pytest.raises(ConfigError) as info:
+        cfg(ckks=ckks)
+    assert info.value.key.startswith("[secure] ckks")
+    assert words in str(info.value)
