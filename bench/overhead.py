@@ -66,7 +66,9 @@ round_timeout = 300.0
 """
 
 
-def run_one(aggregation: str, *, data: Path, epochs: int, seed: int, work: Path) -> dict:
+def run_one(
+    aggregation: str, *, data: Path, epochs: int, seed: int, work: Path, sets: list[str] = ()
+) -> dict:
     d = work / aggregation
     d.mkdir(parents=True, exist_ok=True)
     config = d / "config.toml"
@@ -75,7 +77,8 @@ def run_one(aggregation: str, *, data: Path, epochs: int, seed: int, work: Path)
     )
     started = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(d / "run")],
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(d / "run")]
+        + [a for kv in sets for a in ("--set", kv)],
         capture_output=True,
         text=True,
     )
@@ -151,6 +154,13 @@ def main() -> None:
         default=2,
         help="interleaved repetitions (plain, mask, ckks, plain, ...) against drift",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override for every run, e.g. secure.bound=1024 (declared value bound)",
+    )
     args = ap.parse_args()
     if not args.data.exists():
         raise SystemExit(f"{args.data} not found; pass --data PATH/credit_default.csv")
@@ -165,6 +175,7 @@ def main() -> None:
                     epochs=args.epochs,
                     seed=args.seed,
                     work=Path(tmp) / f"rep{rep}",
+                    sets=args.set,
                 )
                 print(
                     f"  median epoch {r['median_epoch_seconds']:.2f} s, "
@@ -201,6 +212,9 @@ def main() -> None:
         "benchmark": "split-NN Credit 4x5 columns, batch 256, width 16",
         "policy_overhead": guard,
         "epochs": args.epochs,
+        "overrides": args.set,
+        "command": " ".join(["python", "bench/overhead.py", *sys.argv[1:]]),
+        "load_average": list(__import__("os").getloadavg()),
         "runs": runs,
         "ratios": ratios,
         "reference": {"FATE hetero-NN Paillier vs plain (published)": 143.0},

@@ -772,6 +772,11 @@ class CkksPublic:
         """How many encryptions of zero are ready for :meth:`encrypt`."""
         return self._zero_count
 
+    @property
+    def ready_zeros(self) -> int:
+        """How many prepared encryptions of zero are waiting to be used."""
+        return self._zero_count
+
     def prepare_zeros(self, length: int) -> None:
         """Precompute the encryptions of zero that an :meth:`encrypt` of ``length`` values will
         use (its full chunks and its last, partial one), so that call only encodes and adds.

@@ -301,10 +301,42 @@ class CkksParty(PartySumStage):
         if s.ckks_public_context is None:
             raise ValueError(f"{s.name}: ckks aggregation needs the key holder's public context")
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
+        self._ahead: Any = None  # the encryptions of zero being made for the next call
+        self._pool: Any = None
 
     def protect(self, x, *, round, group, key):
-        packed = self.public.encrypt(np.asarray(x, dtype=np.float64).reshape(-1))
+        flat = np.asarray(x, dtype=np.float64).reshape(-1)
+        self._join()  # one thread in the context at a time
+        packed = self.public.encrypt(flat)
+        self._prepare(flat.size)
         return _chunk_arrays(key, packed.chunks)
+
+    def _prepare(self, length: int) -> None:
+        """Encrypt zeros for a next call of the same length (the next batch) on a worker thread
+        while this one is on the wire, so that call only encodes and adds. TenSEAL holds the
+        GIL, so this overlaps with waiting for the network, not with computing. Each prepared
+        zero is used once; zeros left over from lengths that did not recur (a last, smaller
+        batch) are kept to a few calls' worth, beyond which encryption is done afresh."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.public.ready_zeros > 4 * (-(-length // self.public.slots)):
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.s.name}-ckks-zeros")
+        self._ahead = self._pool.submit(self._prepare_quietly, length)
+
+    def _prepare_quietly(self, length: int) -> None:
+        from crypto.ckks import CkksError
+
+        try:
+            self.public.prepare_zeros(length)
+        except CkksError:
+            pass  # the library's cap of ready zeros: the next call encrypts afresh
+
+    def _join(self) -> None:
+        if self._ahead is not None:
+            self._ahead.result()
+            self._ahead = None
 
 
 class CkksAggregator(AggregatorSumStage):
