@@ -32,6 +32,9 @@ def _overrides(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+_FORCE_HELP = "with --resume: continue even if the config differs from the run's (recorded)"
+
+
 def _role_args(
     p: argparse.ArgumentParser, *, name: bool = False, data: bool = True, resume: bool = True
 ) -> None:
@@ -46,8 +49,9 @@ def _role_args(
             "--data", type=Path, help="this role's own CSV (default: RUN_DIR/data/<role>.csv)"
         )
         p.add_argument("--address", help="the aggregator's address (default: [network] aggregator)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     if resume:
-        p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
         p.add_argument(
             "--score",
             action="store_true",
@@ -63,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     from securevfl import __version__
 
     parser.add_argument("--version", action="version", version=f"securevfl {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error, not just one line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser(
@@ -71,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", type=Path)
     run.add_argument("--out", type=Path, required=True, help="run directory")
     run.add_argument("--resume", action="store_true", help="continue the run in --out")
+    run.add_argument("--force", action="store_true", help=_FORCE_HELP)
     run.add_argument(
         "--set",
         action="append",
@@ -170,28 +178,87 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: RUN_DIR/data/<active>.csv)",
     )
 
+    for command in sub.choices.values():  # `securevfl run ... --debug` as well as before it
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _prepare_threads(args)  # before anything imports NumPy or torch
+    debug = getattr(args, "debug", False)
     try:
         return _dispatch(args)
     except ConfigError as exc:
-        print(f"securevfl: config error: {exc}", file=sys.stderr)
+        _say(f"config error: {exc}", debug)
         return exc.exit_code
     except SecureVFLError as exc:  # an ordinary mistake or stop: one line, no traceback
-        print(f"securevfl: {exc}", file=sys.stderr)
+        _say(str(exc), debug)
         return exit_code_for(exc)
     except KeyboardInterrupt as exc:
-        print("securevfl: interrupted; continue later with --resume", file=sys.stderr)
+        _say("interrupted; continue later with --resume", debug)
         return exit_code_for(exc)
+    except OSError as exc:  # a path that cannot be read or written: the user's to fix
+        _say(f"{exc}", debug)
+        return P.EXIT_USAGE
+    except Exception as exc:
+        _say(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug to see where)", debug
+        )
+        return exit_code_for(exc)
+
+
+def _say(line: str, debug: bool) -> None:
+    """One line on stderr for the user; with --debug, the traceback before it."""
+    if debug:
+        traceback.print_exc()
+    print(f"securevfl: {line}", file=sys.stderr)
+
+
+# command -> whether its role processes share this machine (their thread count, see
+# securevfl.threads); other commands start no role
+ROLE_COMMANDS = {
+    "aggregator": False,
+    "active": False,
+    "party": False,
+    "run": True,
+    "predict": True,
+    "demo": True,
+}
+
+
+def _prepare_threads(args: argparse.Namespace) -> None:
+    """Set the role's thread count ([run] threads) in the environment, where BLAS and OpenMP
+    read it when NumPy and torch are first imported, and where `run` passes it to its roles."""
+    shared = ROLE_COMMANDS.get(args.command)
+    if shared is None:
+        return
+    from securevfl.threads import prepare_threads
+
+    config = getattr(args, "config", None)
+    if args.command == "predict":
+        config = args.run_dir / "config.toml"
+    try:
+        overrides = _overrides(getattr(args, "set", []))
+    except ConfigError:  # said once the command runs
+        overrides = None
+    prepare_threads(config, shared=shared, overrides=overrides)
+
+
+def _preflight_run(args: argparse.Namespace) -> None:
+    from securevfl.preflight import check_run
+
+    cfg = load_config(args.config, overrides=_overrides(args.set))
+    check_run(cfg, out=args.out, resume=args.resume)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from securevfl.launcher import launch
 
+        _preflight_run(args)  # data, keys, run directory: before any process starts
         _check_privacy(load_config(args.config, overrides=_overrides(args.set)))
         return launch(
             args.config,
@@ -199,6 +266,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             resume=args.resume,
             overrides=_overrides(args.set),
             override_args=args.set,
+            force=args.force,
         )
     if args.command in ("aggregator", "active", "party"):
         return run_role(args)
@@ -444,18 +512,59 @@ def run_role(args: argparse.Namespace) -> int:
             )
         role = args.name
     run_dir = args.out.resolve()
+    keys_dir = args.keys or cfg.keys_dir
+    is_aggregator = args.command == "aggregator"
+    bind = (
+        (args.bind or cfg.bind_address or _bind_from(cfg.aggregator_address))
+        if is_aggregator
+        else None
+    )
+    data = None if is_aggregator else (args.data or (run_dir / "data" / f"{role}.csv"))
+    address = None if is_aggregator else (args.address or cfg.aggregator_address)
+    from securevfl.preflight import check_role
+
+    check_role(  # keys, data, port: one line and exit status 2 before anything starts
+        cfg,
+        command=args.command,
+        role=role,
+        keys_dir=keys_dir,
+        out=run_dir,
+        data=data,
+        bind=bind,
+        address=address,
+        scoring=getattr(args, "score", False),
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     logger = P.role_logger(role, run_dir)
-    keys_dir = args.keys or cfg.keys_dir
     try:
+        if not getattr(args, "score", False):
+            from securevfl.run_record import role_run_record
+
+            # --resume: the run's recorded config must match (exit 2 unless --force)
+            role_run_record(
+                cfg,
+                run_dir=run_dir,
+                role=role,
+                data_file=data,
+                resume=args.resume,
+                force=args.force,
+                logger=logger,
+                config_path=args.config,
+                overrides=_overrides(args.set),
+            )
+        if is_aggregator and args.resume:
+            logger.info(
+                "resuming: the aggregator keeps no state between runs (a new session, rounds "
+                "start again); the active party's checkpoints decide where training resumes"
+            )
         device = _device(cfg)
-        if args.command == "aggregator":
+        from securevfl.threads import apply_torch_threads, thread_count
+
+        apply_torch_threads(thread_count(default=cfg.threads or 1))
+        if is_aggregator:
             from securevfl.roles.aggregator import run_aggregator
 
-            bind = args.bind or cfg.bind_address or _bind_from(cfg.aggregator_address)
             return run_aggregator(cfg, keys_dir=keys_dir, bind=bind, logger=logger)
-        data = args.data or (run_dir / "data" / f"{role}.csv")
-        address = args.address or cfg.aggregator_address
         if args.command == "active" and args.score:
             from securevfl.roles.active import run_active_scoring
 
@@ -496,13 +605,15 @@ def run_role(args: argparse.Namespace) -> int:
             scoring=args.score,
         )
     except P.RunAborted as exc:
-        logger.error("%s", exc)
+        logger.error("%s", exc, extra=P.FILE_ONLY)
         print(f"securevfl {role}: {exc}", file=sys.stderr)
         return exc.exit_code
     except ConfigError:
         raise
-    except Exception as exc:  # report, with the traceback in the role's log
-        logger.error("failed: %s\n%s", exc, traceback.format_exc())
+    except Exception as exc:  # one line on stderr; the traceback in the role's log
+        logger.error("failed: %s\n%s", exc, traceback.format_exc(), extra=P.FILE_ONLY)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
         print(
             f"securevfl {role}: failed: {exc} (details in {run_dir / 'logs' / (role + '.log')})",
             file=sys.stderr,
@@ -511,10 +622,9 @@ def run_role(args: argparse.Namespace) -> int:
 
 
 def _bind_from(address: str) -> str:
-    """Peers connect to tcp://HOST:PORT; the aggregator binds every interface on that port."""
-    if address.startswith("tcp://") and ":" in address[6:]:
-        port = address.rsplit(":", 1)[1]
-        return f"tcp://*:{port}"
+    """Where the aggregator listens when neither --bind nor [network] bind says: the host and
+    port the parties connect to (tcp://HOST:PORT), so it never listens on every interface
+    unless told to (``bind = "tcp://*:PORT"``)."""
     return address
 
 

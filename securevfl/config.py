@@ -93,6 +93,9 @@ class RunConfig:
     device: str = "cpu"
     min_group: int = 2
     transport: str = "zmq"
+    # compute threads of each role process (torch, BLAS, OpenMP); None: `securevfl.threads`
+    # picks 1 when roles share the machine (`run`), else half the cores (at most 4)
+    threads: int | None = None
     # [data]
     data_path: Path = Path("data.csv")
     id_column: str = "ID"
@@ -102,6 +105,8 @@ class RunConfig:
     standardize: bool = True
     na_tokens: tuple[str, ...] = ("", "NA", "N/A", "NaN", "nan", "null", "NULL", "?")
     delimiter: str | None = None  # None: sniffed from the header line
+    # [data] stream: None ("auto") streams role files over 256 MiB from a row cache on disk
+    stream: bool | None = None
     positive: str | None = None  # binary task: the label value that is class 1
     # which of the active party's ids each party holds, from `securevfl align` (presence.csv):
     # set-up then sends each party only the ids it shares with the label holder
@@ -240,7 +245,11 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
                 f"[{section}]", f"unknown section; known sections are {sorted(known_sections)}"
             )
     base = source.parent if source is not None else Path.cwd()
-    r = _Section(raw, "run", {"method", "aggregation", "seed", "device", "min_group", "transport"})
+    r = _Section(
+        raw,
+        "run",
+        {"method", "aggregation", "seed", "device", "min_group", "transport", "threads"},
+    )
     d = _Section(
         raw,
         "data",
@@ -253,6 +262,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "standardize",
             "na",
             "delimiter",
+            "stream",
             "positive",
             "presence",
         },
@@ -297,6 +307,9 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         device=r.choice("device", D.device, DEVICES),
         min_group=r.integer("min_group", D.min_group, minimum=1),
         transport=r.choice("transport", D.transport, TRANSPORTS),
+        threads=(
+            None if r.raw("threads") is None else r.integer("threads", 1, minimum=1, maximum=1024)
+        ),
         data_path=_resolve(base, d.string("path", None, required=True)),
         id_column=d.string("id", D.id_column),
         label=d.string("label", D.label),
@@ -305,6 +318,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         standardize=d.boolean("standardize", D.standardize),
         na_tokens=_na(d.raw("na")),
         delimiter=_delimiter(d.raw("delimiter")),
+        stream=_stream(d.raw("stream")),
         positive=d.string("positive", None),
         presence_path=(
             None if d.raw("presence") is None else _resolve(base, d.string("presence", None))
@@ -684,6 +698,14 @@ def _delimiter(raw: Any) -> str | None:
         raise ConfigError(
             "[data] delimiter", f'must be one character such as "," or ";", got {raw!r}'
         )
+    return raw
+
+
+def _stream(raw: Any) -> bool | None:
+    if raw is None or raw == "auto":
+        return None
+    if not isinstance(raw, bool):
+        raise ConfigError("[data] stream", f'must be "auto", true or false, got {raw!r}')
     return raw
 
 

@@ -133,17 +133,28 @@ class BudgetExceeded(SecureVFLError, RuntimeError):
 
 class RunAborted(SecureVFLError, RuntimeError):
     """The federation stopped because a role was lost, failed or refused; `.lost` names a lost
-    or failed role, `.refused` marks a stop on a party's release policy."""
+    or failed role, `.refused` marks a stop on a party's release policy and `.budget` a stop on
+    a role's privacy budget, so every role ends with the status of the stop's cause."""
 
-    def __init__(self, message: str, *, lost: str | None = None, refused: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        lost: str | None = None,
+        refused: bool = False,
+        budget: bool = False,
+    ) -> None:
         super().__init__(message)
         self.lost = lost
         self.refused = refused
+        self.budget = budget
 
     @property
     def exit_code(self) -> int:  # type: ignore[override]
         if self.refused:
             return EXIT_REFUSED
+        if self.budget:
+            return EXIT_BUDGET
         return EXIT_PEER_LOST if self.lost else EXIT_ERROR
 
 

@@ -31,6 +31,7 @@ def run_federation(
     resume: bool = False,
     config_path: Path | None = None,
     stdout: IO[str] | None = None,
+    force: bool = False,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run every role as a thread; returns (exit status, metrics.json content or None)."""
     import torch
@@ -52,7 +53,7 @@ def run_federation(
         out.mkdir(parents=True, exist_ok=True)
         if not config_path.exists():
             config_path.write_text("# built in code; see metrics.json\n")
-    keys = prepare_run_dir(cfg, config_path, out, resume=resume)
+    keys = prepare_run_dir(cfg, config_path, out, resume=resume, force=force)
     device = torch.device(cfg.device)
     context = zmq.Context()
     address = f"inproc://securevfl-{uuid.uuid4().hex}"
@@ -124,6 +125,10 @@ def run_federation(
     return code, metrics
 
 
-def run_inproc(cfg: RunConfig, *, out: Path, resume: bool, config_path: Path) -> int:
-    code, _ = run_federation(cfg, out=out, resume=resume, config_path=config_path, stdout=None)
+def run_inproc(
+    cfg: RunConfig, *, out: Path, resume: bool, config_path: Path, force: bool = False
+) -> int:
+    code, _ = run_federation(
+        cfg, out=out, resume=resume, config_path=config_path, stdout=None, force=force
+    )
     return code

@@ -61,6 +61,7 @@ def generate_keys(roles: Sequence[str], out: Path, *, overwrite: bool = False) -
         mask = MaskingKeyPair.generate()
         secret_path = out / "secret" / f"{role}.json"
         fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # a file being replaced keeps its old mode otherwise
         with os.fdopen(fd, "w") as fh:
             json.dump(
                 {"format": FORMAT, "role": role, "curve": curve.to_json(), "mask": mask.to_json()},
@@ -81,21 +82,48 @@ def load_public(keys_dir: Path) -> FederationPublicKeys:
             f"{path} does not exist; create the federation's keys with "
             '`securevfl keys --config CONFIG --out DIR` and set [network] keys = "DIR"'
         ) from None
-    except json.JSONDecodeError as exc:
-        raise KeyMaterialError(f"{path} is not valid JSON ({exc})") from None
-    if data.get("format") != FORMAT:
-        raise KeyMaterialError(
-            f"{path}: unknown format {data.get('format')!r}, expected {FORMAT!r}"
-        )
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KeyMaterialError(f"{path} is not valid JSON ({exc}); regenerate it") from None
+    except OSError as exc:
+        raise KeyMaterialError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise KeyMaterialError(f"{path}: unknown format {found!r}, expected {FORMAT!r}")
     curve, mask = {}, {}
-    for role, entry in data["roles"].items():
-        curve[role] = entry["curve"].encode("ascii")
-        mask[role] = bytes.fromhex(entry["mask"])
+    try:
+        for role, entry in data["roles"].items():
+            curve[role] = entry["curve"].encode("ascii")
+            mask[role] = bytes.fromhex(entry["mask"])
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise KeyMaterialError(
+            f"{path} is damaged ({type(exc).__name__}: {exc}); regenerate the federation's keys "
+            "with `securevfl keys --config CONFIG --out DIR --force`"
+        ) from None
     return FederationPublicKeys(curve=curve, mask=mask)
 
 
+def secret_file(keys_dir: Path, role: str) -> Path:
+    return Path(keys_dir) / "secret" / f"{role}.json"
+
+
+def check_private(path: Path) -> None:
+    """Refuse a secret key file that other users can read (group or world bits set)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # reading it says what is wrong
+    if mode & 0o077:
+        raise KeyMaterialError(
+            f"{path} is readable by other users (mode {mode & 0o777:o}); it holds secret "
+            f"keys: run `chmod 600 {path}`"
+        )
+
+
 def load_secrets(keys_dir: Path, role: str) -> RoleSecrets:
-    path = Path(keys_dir) / "secret" / f"{role}.json"
+    """One role's secret keys. Refuses (`KeyMaterialError`, naming the file and the fix) a
+    missing, unreadable, damaged or group/world-readable file, or one of another role."""
+    path = secret_file(keys_dir, role)
+    check_private(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -103,13 +131,43 @@ def load_secrets(keys_dir: Path, role: str) -> RoleSecrets:
             f"no secret keys for role {role!r} at {path}; copy that role's secret file from "
             "where `securevfl keys` wrote it"
         ) from None
-    if data.get("role") != role:
-        raise KeyMaterialError(f"{path} holds keys of role {data.get('role')!r}, not {role!r}")
-    return RoleSecrets(
-        name=role,
-        curve=CurveKeyPair.from_json(data["curve"]),
-        mask=MaskingKeyPair.from_json(data["mask"]),
-    )
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KeyMaterialError(
+            f"{path} is not valid JSON ({exc}); copy the file `securevfl keys` wrote again"
+        ) from None
+    except OSError as exc:
+        raise KeyMaterialError(
+            f"cannot read {path}: {exc.strerror}; it must be readable by the user running "
+            f"role {role!r} (and by no one else: `chmod 600 {path}`)"
+        ) from None
+    if not isinstance(data, dict) or data.get("role") != role:
+        found = data.get("role") if isinstance(data, dict) else None
+        raise KeyMaterialError(f"{path} holds keys of role {found!r}, not {role!r}")
+    try:
+        return RoleSecrets(
+            name=role,
+            curve=CurveKeyPair.from_json(data["curve"]),
+            mask=MaskingKeyPair.from_json(data["mask"]),
+        )
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise KeyMaterialError(
+            f"{path} is damaged ({type(exc).__name__}: {exc}); copy the file `securevfl keys` "
+            "wrote again"
+        ) from None
+
+
+def check_pair(public: FederationPublicKeys, secrets: RoleSecrets, keys_dir: Path) -> None:
+    """A role's secret keys must be the ones public.json pins for it (same `securevfl keys`
+    run); else every peer would refuse it."""
+    role = secrets.name
+    if public.curve.get(role) != secrets.curve.public or public.mask.get(role) != (
+        secrets.mask.public
+    ):
+        raise KeyMaterialError(
+            f"{secret_file(keys_dir, role)} does not match {Path(keys_dir) / 'public.json'} "
+            f"(keys of role {role!r} from another `securevfl keys` run?); use the secret file "
+            "and public.json of the same run"
+        )
 
 
 def check_roles(public: FederationPublicKeys, roles: Sequence[str], keys_dir: Path) -> None:

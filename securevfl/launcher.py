@@ -21,6 +21,15 @@ from securevfl.data.table import role_data_path, split_federation
 from securevfl.keys import generate_keys
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import epochs
+from securevfl.run_record import (
+    EFFECTIVE_CONFIG,
+    RUN_RECORD,
+    check_resume,
+    launcher_digests,
+    read_record,
+    repair_ledger,
+    write_record,
+)
 
 
 def free_port() -> int:
@@ -39,15 +48,21 @@ class RoleProcess:
         return self.popen.pid
 
 
-RUN_RECORD = "run.json"
-
-
-def record_run(out: Path, config_path: Path, overrides: Mapping[str, Any]) -> None:
+def record_run(
+    out: Path, config_path: Path, overrides: Mapping[str, Any], *, config_hash: str | None = None
+) -> None:
     """What the run was started with (the config file and every --set), so that the model can
-    be loaded and scored later from the run directory alone."""
+    be loaded and scored later from the run directory alone; the effective config itself is in
+    `EFFECTIVE_CONFIG` (`securevfl.run_record`)."""
     import json
 
-    record = {"config": str(Path(config_path).resolve()), "overrides": dict(overrides)}
+    record = {
+        "config": str(Path(config_path).resolve()),
+        "overrides": dict(overrides),
+        "effective_config": EFFECTIVE_CONFIG,
+        "config_hash": config_hash,
+        "resumes": [],
+    }
     (out / RUN_RECORD).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
@@ -75,10 +90,15 @@ def prepare_run_dir(
     *,
     resume: bool,
     overrides: Mapping[str, Any] | None = None,
+    force: bool = False,
 ) -> Path:
-    """Split the data and make keys (or check what a resumed run needs). Returns the keys dir."""
+    """Split the data, make keys and record the effective config (or, resuming, check that
+    the run's record matches `cfg`: `check_resume`, refused unless `force`, and repair a torn
+    ledger line). Returns the keys dir."""
     out.mkdir(parents=True, exist_ok=True)
     keys = out / "keys"
+    if force and not resume:
+        raise ConfigError("--force", "only applies with --resume (to continue a changed run)")
     if resume:
         missing = [r for r in cfg.role_names if not role_data_path(out, r).exists()]
         if missing or not (keys / "public.json").exists():
@@ -87,6 +107,30 @@ def prepare_run_dir(
                 f"{out} holds no run to resume (no data files for {missing} or no "
                 "keys); start it without --resume first",
             )
+        repair_ledger(out)  # a torn last line, before anything appends (never under-counts)
+        if read_record(out) is None:  # a run from before records: rebuild its own from run.json
+            try:
+                before, before_path = load_run_config(out)
+            except ConfigError:
+                before = None
+            if before is not None:
+                write_record(
+                    out,
+                    before,
+                    data=launcher_digests(before, out, before.role_names),
+                    written_by="launcher",
+                    config_path=before_path,
+                )
+        check_resume(
+            out,
+            cfg,
+            data=launcher_digests(cfg, out, cfg.role_names),
+            force=force,
+            who="launcher",
+            config_path=Path(config_path),
+            overrides=overrides or {},
+            always_note=True,
+        )
         return keys
     if any(epochs(out, r) for r in cfg.role_names) or (out / "metrics.json").exists():
         raise ConfigError(
@@ -101,7 +145,15 @@ def prepare_run_dir(
     ):
         shutil.copyfile(config_path, out / "config.toml")
     generate_keys(cfg.role_names, keys, overwrite=True)
-    record_run(out, config_path, overrides or {})
+    record = write_record(
+        out,
+        cfg,
+        data=launcher_digests(cfg, out, cfg.role_names),
+        written_by="launcher",
+        config_path=Path(config_path),
+        overrides=overrides or {},
+    )
+    record_run(out, config_path, overrides or {}, config_hash=record["hash"])
     return keys
 
 
@@ -127,7 +179,16 @@ def role_commands(
     if predictions is not None:
         extra = ["--score"]
     data = data or {r: role_data_path(out, r) for r in cfg.role_names}
-    cmds = {"aggregator": [*base, "aggregator", *common, "--bind", address]}
+    cmds = {
+        "aggregator": [
+            *base,
+            "aggregator",
+            *common,
+            "--bind",
+            address,
+            *(["--resume"] if resume and predictions is None else []),
+        ]
+    }
     cmds[cfg.active_name] = [
         *base,
         "active",
@@ -164,15 +225,20 @@ def launch(
     override_args: Sequence[str] = (),
     stdout: IO[str] | None = None,
     env: Mapping[str, str] | None = None,
+    force: bool = False,
 ) -> int:
-    """Run the federation; returns the exit status (0 ok, 2 config, 3 budget, 4 lost peer)."""
+    """Run the federation; returns the exit status (0 ok, 2 config, 3 budget, 4 lost peer).
+    `resume` continues the run in `out`, refusing a config that differs from the run's record
+    unless `force` (`securevfl.run_record.check_resume`)."""
     cfg = load_config(config_path, overrides=overrides)
     if cfg.transport == "inproc":
         from securevfl.inproc import run_inproc
 
-        return run_inproc(cfg, out=out, resume=resume, config_path=config_path)
+        return run_inproc(cfg, out=out, resume=resume, config_path=config_path, force=force)
     out = Path(out).resolve()
-    keys = prepare_run_dir(cfg, Path(config_path), out, resume=resume, overrides=overrides)
+    keys = prepare_run_dir(
+        cfg, Path(config_path), out, resume=resume, overrides=overrides, force=force
+    )
     address = f"tcp://127.0.0.1:{free_port()}"
     cmds = role_commands(
         Path(config_path).resolve(),

@@ -3,6 +3,11 @@ with or without BOM) or Parquet, identifiers that may be strings, column types (
 boolean, categorical) inferred or configured, and the encodings a party fits on its own
 training rows and keeps (`ColumnEncoder`), and the label holder's label codes (`LabelCodec`).
 
+Cells are converted chunk by chunk (`securevfl.data.chunks`) into a compact form
+(`CompactConverter`: numbers as float64, categories as int32 codes into the values seen), from
+which the encoder fits and encodes: a table read whole and one streamed from disk go through
+the same functions, so they encode to the same matrix bit for bit.
+
 Nothing here leaves the party: categories, their counts and scaling statistics stay in the
 party's process; methods see the encoded numeric columns only.
 """
@@ -13,21 +18,29 @@ import csv
 import hashlib
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from securevfl.data.chunks import PY_WHITESPACE, ROW_NUMBER_ID, TableReader, TextChunk
 from securevfl.errors import DataError
+
+__all__ = ["ROW_NUMBER_ID"]  # re-exported: the historical home of the constant
 
 KINDS = ("numeric", "boolean", "categorical")
 NA_TOKENS = ("", "NA", "N/A", "NaN", "nan", "null", "NULL", "?")
-ROW_NUMBER_ID = "@row"  # [data] id for tables without an id column: the 1-based line number
 OTHER = "other"  # the bucket of categories unseen in training
 _TRUE = ("true", "yes", "y", "t", "1")
 _FALSE = ("false", "no", "n", "f", "0")
+_BOOL_WORDS = frozenset(_TRUE + _FALSE)
+# a canonical non-negative integer identifier (at most 18 digits, no leading zero) is itself
+_CANONICAL_ID = r"^(0|[1-9][0-9]{0,17})$"
+_ID_PREFIX = b"securevfl/id/v1"  # domain of the SHA-256 of string identifiers
 
 
 @dataclass
@@ -44,21 +57,82 @@ def row_ids(texts: Sequence[str], *, where: str) -> np.ndarray:
     """int64 sample ids from identifiers as written: a canonical non-negative integer is itself;
     any other string is hashed (SHA-256, negative 63-bit), identically at every party. Refuses
     duplicates and empty identifiers (DataError naming the file)."""
-    out = np.empty(len(texts), dtype=np.int64)
-    for i, text in enumerate(texts):
-        t = text.strip()
-        if not t:
-            raise DataError(f"{where}: row {i + 2} has an empty identifier")
-        if t.isdigit() and (t == "0" or not t.startswith("0")) and len(t) < 19:
-            out[i] = int(t)
-        else:
-            digest = hashlib.sha256(b"securevfl/id/v1" + t.encode()).digest()
-            out[i] = -(int.from_bytes(digest[:8], "big") >> 1) - 1
-    if len(np.unique(out)) != len(out):
-        uniq, counts = np.unique(out, return_counts=True)
-        dup = [texts[i] for i in np.flatnonzero(np.isin(out, uniq[counts > 1]))[:5]]
-        raise DataError(f"{where}: identifiers must be unique; repeated: {dup}")
+    out = ids_of(pa.array(list(texts), type=pa.string()), where=where)
+    check_unique(out, where=where, texts_at=lambda rows: [texts[i] for i in rows])
     return out
+
+
+def ids_of(texts: pa.Array, *, where: str, first_row: int = 0) -> np.ndarray:
+    """`row_ids` of one chunk of identifiers (`first_row`: the chunk's first data row), without
+    the uniqueness check (`check_unique`, once every chunk is in). Refuses an empty one."""
+    n = len(texts)
+    out = np.empty(n, dtype=np.int64)
+    if n == 0:
+        return out
+    stripped = pc.utf8_trim(pc.fill_null(texts, ""), characters=PY_WHITESPACE)
+    canonical = pc.match_substring_regex(stripped, _CANONICAL_ID).to_numpy(zero_copy_only=False)
+    if canonical.any():
+        out[canonical] = pc.cast(stripped.filter(pa.array(canonical)), pa.int64()).to_numpy()
+    others = np.flatnonzero(~canonical)
+    if len(others) == 0:
+        return out
+    texts_left = stripped.filter(pa.array(~canonical)).to_pylist()
+    # empty or (non-ASCII) digit strings go one by one; every other string is hashed in bulk
+    special = [k for k, t in enumerate(texts_left) if not t or t.isdigit()]
+    for k in special:
+        out[others[k]] = _one_id(texts_left[k], where=where, row=first_row + int(others[k]))
+    if len(special) < len(texts_left):
+        skip = set(special)
+        sha = hashlib.sha256
+        digests = b"".join(
+            sha(_ID_PREFIX + t.encode()).digest()[:8]
+            for k, t in enumerate(texts_left)
+            if k not in skip
+        )
+        rest = others if not special else np.delete(others, special)
+        top = np.frombuffer(digests, dtype=">u8") >> np.uint64(1)
+        out[rest] = -top.astype(np.int64) - 1
+    return out
+
+
+def _one_id(t: str, *, where: str, row: int) -> int:
+    if not t:
+        raise DataError(f"{where}: row {row + 2} has an empty identifier")
+    if t.isdigit() and (t == "0" or not t.startswith("0")) and len(t) < 19:
+        return int(t)
+    digest = hashlib.sha256(_ID_PREFIX + t.encode()).digest()
+    return -(int.from_bytes(digest[:8], "big") >> 1) - 1
+
+
+def check_unique(ids: np.ndarray, *, where: str, texts_at: Any) -> None:
+    """Refuses repeated identifiers (DataError listing up to five as written: `texts_at(rows)`
+    gives the texts of row positions of `ids`)."""
+    if len(ids) < 2:
+        return
+    order = np.argsort(ids, kind="stable")
+    same = ids[order[1:]] == ids[order[:-1]]
+    if not same.any():
+        return
+    repeated = np.unique(ids[order[1:]][same])
+    rows = np.flatnonzero(np.isin(ids, repeated))[:5]
+    raise DataError(f"{where}: identifiers must be unique; repeated: {list(texts_at(rows))}")
+
+
+def chunk_ids(chunk: TextChunk, *, where: str) -> np.ndarray:
+    """The int64 sample ids of a chunk: its identifiers, or its 1-based row numbers."""
+    if chunk.ids is None:
+        return np.arange(chunk.first_row + 1, chunk.first_row + chunk.n_rows + 1, dtype=np.int64)
+    return ids_of(chunk.ids, where=where, first_row=chunk.first_row)
+
+
+def chunk_id_text(chunk: TextChunk) -> pa.Array:
+    """The identifiers of a chunk as written (row numbers as text for a table without ids)."""
+    if chunk.ids is None:
+        return pa.array(
+            np.arange(chunk.first_row + 1, chunk.first_row + chunk.n_rows + 1).astype(str),
+            type=pa.string(),
+        )
+    return chunk.ids
 
 
 def read_table(
@@ -70,94 +144,83 @@ def read_table(
     na: Sequence[str] = NA_TOKENS,
     delimiter: str | None = None,
 ) -> RawTable:
-    """Read `columns` (and the id and label) of a CSV or Parquet file as text. `id_column` may
-    be ``"@row"`` (the line number). Raises DataError naming the file and the first problem."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; check [data] path")
+    """Read `columns` (and the id and label) of a CSV or Parquet file as text, whole. `id_column`
+    may be ``"@row"`` (the line number). Raises DataError naming the file and the first problem.
+    (Roles read their files chunk by chunk instead: `securevfl.data.table`.)"""
     wanted = [*columns] + ([label] if label is not None else [])
-    if path.suffix.lower() in (".parquet", ".pq"):
-        header, data = _read_parquet(path, [id_column, *wanted])
-    else:
-        header, data = _read_csv(path, delimiter)
-    index = {name: i for i, name in enumerate(header)}
-    # "@row": the line number, unless the file carries it (a per-role file of such a table)
-    by_line = id_column == ROW_NUMBER_ID and id_column not in index
-    if not by_line:
-        wanted = [id_column, *wanted]
-    for name in wanted:
-        if name not in index:
-            raise DataError(f"{path} has no column {name!r}; its columns are {header[:30]}")
-    na_set = set(na)
-
-    def column(name: str) -> np.ndarray:
-        j = index[name]
-        return np.array(
-            [None if (j >= len(r) or r[j].strip() in na_set) else r[j].strip() for r in data],
-            dtype=object,
-        )
-
-    id_text = (
-        np.array([str(i + 1) for i in range(len(data))], dtype=object)
-        if by_line
-        else np.array(
-            [r[index[id_column]] if index[id_column] < len(r) else "" for r in data], dtype=object
-        )
-    )
+    reader = TableReader(path, columns=wanted, id_column=id_column, na=na, delimiter=delimiter)
+    parts = list(reader.chunks())
+    id_text = _objects([chunk_id_text(c) for c in parts])
+    where = str(reader.path)
+    ids = np.concatenate([chunk_ids(c, where=where) for c in parts]) if parts else _no_ids()
+    check_unique(ids, where=where, texts_at=lambda rows: id_text[rows].tolist())
+    cells = {c: _objects([p.cells[c] for p in parts]) for c in wanted}
     return RawTable(
-        ids=row_ids(list(id_text), where=str(path)),
+        ids=ids,
         id_text=id_text,
-        cells={c: column(c) for c in columns},
-        label=column(label) if label is not None else None,
+        cells={c: cells[c] for c in columns},
+        label=cells[label] if label is not None else None,
     )
 
 
-def _read_csv(path: Path, delimiter: str | None) -> tuple[list[str], list[list[str]]]:
-    with path.open(newline="", encoding="utf-8-sig") as fh:  # a BOM is dropped
-        head = fh.read(64 * 1024)
-        fh.seek(0)
-        if delimiter is None:
-            try:
-                delimiter = csv.Sniffer().sniff(head.split("\n", 1)[0], ",;\t|").delimiter
-            except csv.Error:
-                delimiter = ","
-        reader = csv.reader(fh, delimiter=delimiter)
-        try:
-            header = [h.strip() for h in next(reader)]
-        except StopIteration:
-            raise DataError(f"{path} is empty") from None
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path} is not UTF-8 text ({exc.reason})") from None
-        try:
-            rows = [r for r in reader if r]
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path} is not UTF-8 text ({exc.reason})") from None
-    return header, rows
+def _objects(parts: list[pa.Array]) -> np.ndarray:
+    if not parts:
+        return np.empty(0, dtype=object)
+    return np.asarray(pa.concat_arrays(parts).to_numpy(zero_copy_only=False), dtype=object)
 
 
-def _read_parquet(path: Path, wanted: Sequence[str]) -> tuple[list[str], list[list[str]]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:  # pragma: no cover - pyarrow is a dependency
-        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-    table = pq.read_table(path)
-    header = list(table.column_names)
-    present = [c for c in wanted if c in header]
-    cols = [table.column(c).to_pylist() for c in present]
-    rows = [["" if v is None else str(v) for v in values] for values in zip(*cols, strict=True)]
-    return present, rows
+def _no_ids() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# column types
+
+
+class KindSniffer:
+    """Infers a column's type from its cells, chunk after chunk (`update`), as `infer_kind`
+    does from all of them at once: numeric if every non-NA cell is a finite number; boolean if
+    every one is a yes/no word or 0/1 (not only 0/1); else categorical."""
+
+    def __init__(self) -> None:
+        self.numbers = True
+        self.words: set[str] | None = set()  # lower-cased cells; None: not all yes/no words
+
+    def update(self, cells: pa.Array) -> KindSniffer:
+        seen = cells.drop_null()
+        if len(seen) == 0:
+            return self
+        if self.numbers:
+            self.numbers = _all_numbers(seen)
+        if self.words is not None:
+            distinct = pc.unique(seen)
+            if len(distinct) > 4 * len(_BOOL_WORDS) * 8:  # more spellings than the words have
+                self.words = None
+            else:
+                self.words |= {v.lower() for v in distinct.to_pylist()}
+                if not self.words <= _BOOL_WORDS:
+                    self.words = None
+        return self
+
+    @property
+    def kind(self) -> str:
+        if self.numbers:
+            return "numeric"
+        if self.words and not self.words <= {"0", "1"}:
+            return "boolean"
+        return "categorical"
 
 
 def infer_kind(values: np.ndarray) -> str:
     """numeric if every non-NA cell is a number; boolean if every one is a yes/no word or 0/1
     with both present or one present; else categorical."""
-    seen = [v for v in values if v is not None]
-    if all(_is_number(v) for v in seen):
-        return "numeric"
-    words = {v.lower() for v in seen}
-    if words and words <= set(_TRUE) | set(_FALSE) and not words <= {"0", "1"}:
-        return "boolean"
-    return "categorical"
+    return KindSniffer().update(_text(values)).kind
+
+
+def _text(values: Any) -> pa.Array:
+    if isinstance(values, pa.Array):
+        return values
+    return pa.array(list(values), type=pa.string())
 
 
 def _is_number(text: str) -> bool:
@@ -167,22 +230,124 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def _distinct(cells: pa.Array) -> tuple[list[str], np.ndarray]:
+    """(distinct non-null values, int32 index of each cell into them; -1 for null)."""
+    encoded = cells.dictionary_encode()
+    codes = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False)
+    return encoded.dictionary.to_pylist(), codes.astype(np.int32, copy=False)
+
+
+def _all_numbers(cells: pa.Array) -> bool:
+    """Every (non-null) cell is a finite number as Python's `float` reads it."""
+    try:
+        values = pc.cast(cells, pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        values, _ = _distinct(cells)
+        return all(_is_number(v) for v in values)
+    return bool(np.isfinite(values).all())
+
+
+def numbers_of(
+    cells: pa.Array, *, column: str, where: str, first_row: int = 0, strict: bool = True
+) -> np.ndarray:
+    """float64 of a text column as Python's `float` reads each cell (null -> NaN). `strict`
+    refuses a non-number or a non-finite value, naming the column and the row; otherwise a cell
+    that is not a number is NaN (and infinities stay)."""
+    try:  # pyarrow reads what `float` reads (a subset of it), to the same double
+        values = pc.cast(cells, pa.float64()).to_numpy(zero_copy_only=False)
+        status = None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        distinct, codes = _distinct(cells)
+        table = np.full(len(distinct) + 1, np.nan)
+        state = np.zeros(len(distinct) + 1, dtype=np.int8)  # 0 ok, 1 not a number
+        for k, v in enumerate(distinct):
+            try:
+                table[k] = float(v)
+            except ValueError:
+                state[k] = 1
+        values = table[codes]
+        status = state[codes]
+    values = np.asarray(values, dtype=np.float64)
+    if not strict:
+        return values
+    bad = ~np.isfinite(values) & ~np.asarray(pc.is_null(cells).to_numpy(zero_copy_only=False))
+    if status is not None:
+        bad |= status == 1
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = cells[i].as_py()
+        if status is not None and status[i] == 1:
+            raise DataError(
+                f"{where}: value {v!r} in column {column!r} (row {first_row + i + 2}) is not a "
+                "number; declare the column categorical ([parties.NAME] types) or fix the value"
+            )
+        raise DataError(f"{where}: value {v!r} in column {column!r} is not finite")
+    return values
+
+
 def numeric(values: np.ndarray, *, column: str, where: str) -> np.ndarray:
     """float64 of a numeric column (NA -> NaN); refuses a non-number naming the column and row."""
-    out = np.full(len(values), np.nan)
-    for i, v in enumerate(values):
-        if v is None:
-            continue
-        try:
-            out[i] = float(v)
-        except ValueError:
-            raise DataError(
-                f"{where}: value {v!r} in column {column!r} (row {i + 2}) is not a number; "
-                "declare the column categorical ([parties.NAME] types) or fix the value"
-            ) from None
-        if not math.isfinite(out[i]):
-            raise DataError(f"{where}: value {v!r} in column {column!r} is not finite")
-    return out
+    return numbers_of(_text(values), column=column, where=where)
+
+
+def booleans_of(cells: pa.Array, *, column: str, where: str) -> np.ndarray:
+    """1.0 for a yes-word, 0.0 for a no-word, NaN for NA; refuses any other value."""
+    distinct, codes = _distinct(cells)
+    table = np.full(len(distinct) + 1, np.nan)
+    bad = np.zeros(len(distinct) + 1, dtype=bool)
+    for k, v in enumerate(distinct):
+        low = v.lower()
+        if low in _TRUE:
+            table[k] = 1.0
+        elif low in _FALSE:
+            table[k] = 0.0
+        else:
+            bad[k] = True
+    if bad.any():
+        i = int(np.argmax(bad[codes]))
+        raise DataError(f"{where}: value {distinct[codes[i]]!r} in boolean column {column!r}")
+    return table[codes]
+
+
+# ---------------------------------------------------------------------------------------------
+# compact cells and the encoder
+
+
+class CompactConverter:
+    """Converts a party's cells, chunk by chunk, to its compact form: numeric and boolean
+    columns as float64 (`numbers`, NaN for NA, in `kinds` order), categorical ones as int32
+    codes into the values seen so far (`levels`, first seen first; -1 for NA). Refuses a value
+    its column's type cannot hold (DataError naming the column)."""
+
+    def __init__(self, kinds: Mapping[str, str]) -> None:
+        self.kinds = dict(kinds)
+        self.numeric = [c for c, k in self.kinds.items() if k != "categorical"]
+        self.categorical = [c for c, k in self.kinds.items() if k == "categorical"]
+        self.levels: dict[str, list[str]] = {c: [] for c in self.categorical}
+        self._code: dict[str, dict[str, int]] = {c: {} for c in self.categorical}
+
+    def convert(
+        self, cells: Mapping[str, pa.Array], n_rows: int, *, where: str, first_row: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        numbers = np.empty((n_rows, len(self.numeric)), dtype=np.float64)
+        for j, c in enumerate(self.numeric):
+            if self.kinds[c] == "numeric":
+                numbers[:, j] = numbers_of(cells[c], column=c, where=where, first_row=first_row)
+            else:
+                numbers[:, j] = booleans_of(cells[c], column=c, where=where)
+        codes = np.empty((n_rows, len(self.categorical)), dtype=np.int32)
+        for j, c in enumerate(self.categorical):
+            distinct, local = _distinct(cells[c])
+            code = self._code[c]
+            lookup = np.empty(len(distinct) + 1, dtype=np.int32)
+            lookup[-1] = -1
+            for k, v in enumerate(distinct):
+                if v not in code:
+                    code[v] = len(self.levels[c])
+                    self.levels[c].append(v)
+                lookup[k] = code[v]
+            codes[:, j] = lookup[local]
+        return numbers, codes
 
 
 class ColumnEncoder:
@@ -193,6 +358,7 @@ class ColumnEncoder:
     def __init__(self, kinds: Mapping[str, str]) -> None:
         self.kinds = dict(kinds)
         self.categories: dict[str, list[str]] = {}
+        self._lookups: dict[str, tuple[int, np.ndarray]] = {}
 
     @property
     def fitted(self) -> bool:
@@ -209,38 +375,63 @@ class ColumnEncoder:
         return tuple(out)
 
     def fit(self, cells: Mapping[str, np.ndarray]) -> ColumnEncoder:
-        for c, k in self.kinds.items():
-            if k == "categorical":
-                self.categories[c] = sorted({v for v in cells[c] if v is not None})
+        """Fit on text cells (object arrays of str | None)."""
+        converter = CompactConverter(self.kinds)
+        _, codes = converter.convert(_texts(cells), _n_rows(cells), where="fit")
+        return self.fit_codes(converter.levels, [codes])
+
+    def fit_codes(
+        self, levels: Mapping[str, Sequence[str]], codes: Iterable[np.ndarray]
+    ) -> ColumnEncoder:
+        """Fit on the compact codes of the training rows (blocks of [rows, categorical])."""
+        categorical = [c for c, k in self.kinds.items() if k == "categorical"]
+        seen: list[set[int]] = [set() for _ in categorical]
+        for block in codes:
+            for j in range(len(categorical)):
+                seen[j].update(np.unique(block[:, j]).tolist())
+        for j, c in enumerate(categorical):
+            self.categories[c] = sorted(levels[c][k] for k in seen[j] if k >= 0)
+        self._lookups.clear()
         return self
 
     def transform(self, cells: Mapping[str, np.ndarray], *, where: str) -> np.ndarray:
-        n = len(next(iter(cells.values()))) if cells else 0
+        """Encode text cells (object arrays of str | None)."""
+        converter = CompactConverter(self.kinds)
+        numbers, codes = converter.convert(_texts(cells), _n_rows(cells), where=where)
+        return self.encode(numbers, codes, converter.levels)
+
+    def encode(
+        self, numbers: np.ndarray, codes: np.ndarray, levels: Mapping[str, Sequence[str]]
+    ) -> np.ndarray:
+        """float64 [rows, out_columns] of compact rows (`CompactConverter` with these kinds)."""
+        n = len(numbers)
         blocks = []
+        i_num = i_cat = 0
         for c, k in self.kinds.items():
-            values = cells[c]
-            if k == "numeric":
-                blocks.append(numeric(values, column=c, where=where)[:, None])
-            elif k == "boolean":
-                low = np.array([None if v is None else v.lower() for v in values], dtype=object)
-                col = np.where(
-                    np.isin(low, _TRUE), 1.0, np.where(np.isin(low, _FALSE), 0.0, np.nan)
-                )
-                bad = [v for v, x in zip(values, col, strict=True) if v is not None and np.isnan(x)]
-                if bad:
-                    raise DataError(f"{where}: value {bad[0]!r} in boolean column {c!r}")
-                blocks.append(col[:, None])
-            else:
-                cats = self.categories[c]
-                position = {v: j for j, v in enumerate(cats)}
-                onehot = np.zeros((n, len(cats) + 1))
-                for i, v in enumerate(values):
-                    if v is None:
-                        onehot[i] = np.nan
-                    else:
-                        onehot[i, position.get(v, len(cats))] = 1.0
-                blocks.append(onehot)
+            if k != "categorical":
+                blocks.append(numbers[:, i_num : i_num + 1])
+                i_num += 1
+                continue
+            width = len(self.categories[c]) + 1
+            code = codes[:, i_cat]
+            i_cat += 1
+            onehot = np.zeros((n, width))
+            held = code >= 0
+            onehot[np.flatnonzero(held), self._lookup(c, levels[c])[code[held]]] = 1.0
+            onehot[~held] = np.nan
+            blocks.append(onehot)
         return np.concatenate(blocks, axis=1) if blocks else np.empty((n, 0))
+
+    def _lookup(self, column: str, levels: Sequence[str]) -> np.ndarray:
+        """Output position of each level: its training category, or `other`."""
+        cached = self._lookups.get(column)
+        if cached is not None and cached[0] == len(levels):
+            return cached[1]
+        cats = self.categories[column]
+        position = {v: j for j, v in enumerate(cats)}
+        lookup = np.array([position.get(v, len(cats)) for v in levels], dtype=np.intp)
+        self._lookups[column] = (len(levels), lookup)
+        return lookup
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -251,6 +442,15 @@ class ColumnEncoder:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.kinds = dict(state["kinds"])
         self.categories = {c: list(v) for c, v in state["categories"].items()}
+        self._lookups.clear()
+
+
+def _texts(cells: Mapping[str, Any]) -> dict[str, pa.Array]:
+    return {c: _text(v) for c, v in cells.items()}
+
+
+def _n_rows(cells: Mapping[str, Any]) -> int:
+    return len(next(iter(cells.values()))) if cells else 0
 
 
 class LabelCodec:
@@ -264,9 +464,18 @@ class LabelCodec:
         self.classes: list[str] = []
 
     def encode(self, values: np.ndarray, *, column: str, where: str) -> np.ndarray:
+        cells = _text(values)
         if self.task == "regression":
-            return numeric(values, column=column, where=where)
-        seen = sorted({v for v in values if v is not None}, key=_class_order)
+            return numbers_of(cells, column=column, where=where)
+        distinct, codes = _distinct(cells)
+        return self.encode_levels(distinct, codes, column=column, where=where)
+
+    def encode_levels(
+        self, levels: Sequence[str], codes: np.ndarray, *, column: str, where: str
+    ) -> np.ndarray:
+        """Classification labels from distinct values (`levels`, each present) and per-row
+        int32 codes into them (-1 for an empty label)."""
+        seen = sorted(set(levels), key=_class_order)
         if self.positive is not None:
             if self.positive not in seen:
                 raise DataError(
@@ -275,12 +484,15 @@ class LabelCodec:
                 )
             seen = [v for v in seen if v != self.positive] + [self.positive]
         numeric_labels = all(_is_number(v) for v in seen)
+        table = np.full(len(levels) + 1, np.nan)
         if numeric_labels and self.positive is None:
             # numbers keep their meaning (0/1, 0..C-1), as before this codec existed
-            return numeric(values, column=column, where=where)
-        self.classes = seen
-        code = {v: float(j) for j, v in enumerate(seen)}
-        return np.array([np.nan if v is None else code[v] for v in values])
+            table[: len(levels)] = [float(v) for v in levels]
+        else:
+            self.classes = seen
+            code = {v: float(j) for j, v in enumerate(seen)}
+            table[: len(levels)] = [code[v] for v in levels]
+        return table[np.asarray(codes)]
 
 
 def _class_order(value: str) -> tuple[int, float | str]:

@@ -10,7 +10,9 @@ names, and which guest holds which column; deterministic for a seed.
 
 from __future__ import annotations
 
+import csv
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from scipy.special import ndtri
@@ -52,6 +54,35 @@ class SyntheticTable:
         """Each guest's (rows x d_k) block, row-aligned, in guest order."""
         sel = slice(None) if rows is None else rows
         return [self.x[sel][:, self.guest_columns(k)] for k in range(self.n_guests)]
+
+    def features(self, k: int) -> list[str]:
+        """The original features guest k holds (a categorical once, not its one-hot columns),
+        in column order; refuses k outside 0..n_guests-1."""
+        return list(dict.fromkeys(self.feature_of[j] for j in self.guest_columns(k)))
+
+    def write_csv(self, path: Path, *, id_column: str = "ID", label: str = "Y") -> Path:
+        """The table as a raw CSV file, as a data owner would hold it: ids 1..N, numerics as
+        numbers, each categorical as one text column (level ``c<j>`` of its ``feature=j``
+        one-hot column), the label as 0/1.. integers. A party's one-hot encoding of that file
+        gives back this table's columns (plus the encoder's column for unseen levels)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        features = list(dict.fromkeys(self.feature_of))
+        cells: dict[str, list[str]] = {}
+        for feature in features:
+            cols = [j for j, f in enumerate(self.feature_of) if f == feature]
+            if len(cols) == 1 and self.columns[cols[0]] == feature:
+                cells[feature] = [repr(float(v)) for v in self.x[:, cols[0]]]
+            else:
+                levels = [self.columns[j].split("=", 1)[1] for j in cols]
+                which = self.x[:, cols].argmax(axis=1)
+                cells[feature] = [f"c{levels[i]}" for i in which]
+        with path.open("w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow([id_column, *features, label])
+            for i in range(len(self.y)):
+                w.writerow([i + 1, *(cells[f][i] for f in features), int(self.y[i])])
+        return path
 
 
 def cross_guest_xor(

@@ -3,85 +3,140 @@
 Each role reads only its own file: `split_federation` writes one CSV per role (the id column plus
 that role's columns; the active party's also carries the label) so that the launcher can hand each
 process nothing but its own data.
+
+Files are read chunk by chunk (`securevfl.data.chunks`), so a multi-gigabyte table never has to
+fit in memory. A role's table is held in memory when its file is small, and otherwise streamed
+([data] stream = "auto", the default: files over `STREAM_ABOVE_BYTES`; true; false): its rows
+then go, in compact form, to a cache of the role's own on disk and each batch is read and
+encoded from there, so memory holds the chunk being read, the batch, and an index of 12 bytes
+per row (the sorted int64 ids and an int32 position; the active party adds its float64
+labels). Both ways give the same encoded matrix, bit for bit. The split streams too: two passes
+over the table, with about 30 bytes per row (ids, labels, which role gets which row) in memory.
 """
 
 from __future__ import annotations
 
 import csv
+import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from securevfl.config import ConfigError, RunConfig
+from securevfl.data.chunks import CHUNK_BYTES, TableReader, TextChunk
 from securevfl.data.columns import (
+    NA_TOKENS,
     ROW_NUMBER_ID,
     ColumnEncoder,
+    CompactConverter,
+    KindSniffer,
     LabelCodec,
-    RawTable,
-    infer_kind,
-    numeric,
-    read_table,
+    check_unique,
+    chunk_id_text,
+    chunk_ids,
+    numbers_of,
 )
+from securevfl.data.rowstore import DiskRows, DiskRowsWriter, MemoryRows
 from securevfl.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# [data] stream = "auto": a role's file larger than this is streamed from a cache on disk
+STREAM_ABOVE_BYTES = 256 << 20
 
 
 @dataclass
 class PartyTable:
     """One role's feature block: rows keyed by integer sample id. NaN marks an empty cell.
 
-    A table with non-numeric columns holds them as text (`raw`) with an unfitted
-    `ColumnEncoder`; `prepare(train_ids)` fits the encoding on the training rows it holds and
-    sets `values` and `columns` to the encoded (numeric) columns. Methods see only those."""
+    The rows are held in compact form (`rowstore`: numbers and category codes, in memory or in
+    a cache on disk). A table with non-numeric columns has an `encoder`, unfitted until
+    `prepare(train_ids)` fits it on the training rows the table holds and sets `columns` to
+    the encoded (numeric) columns. Methods see only those: `rows(ids)` (a batch),
+    `row_blocks` and `column_summary` (every training row, a block at a time) and `values`
+    (the whole matrix: kept in memory for a table read whole; for a streamed one it is built
+    on request, so streaming methods use `rows`)."""
 
     ids: np.ndarray  # int64, sorted, unique
     columns: tuple[str, ...]
-    values: np.ndarray | None  # float64 [n_rows, n_columns]; None until `prepare` (encoded)
-    raw: dict[str, np.ndarray] | None = None
+    rowstore: MemoryRows | DiskRows
     encoder: ColumnEncoder | None = None
+    levels: dict[str, list[str]] = field(default_factory=dict)  # categorical: values seen
     where: str = "table"
-    id_text: np.ndarray | None = None  # the identifiers as written (for outputs)
+    matrix: np.ndarray | None = None  # float64 [n_rows, n_columns]: the encoded rows, in memory
 
     def __post_init__(self) -> None:
-        order = np.argsort(self.ids, kind="stable")
-        self.ids = np.asarray(self.ids, dtype=np.int64)[order]
-        if self.values is not None:
-            self.values = np.asarray(self.values, dtype=np.float64)[order]
-        if self.raw is not None:
-            self.raw = {c: v[order] for c, v in self.raw.items()}
-        if self.id_text is not None:
-            self.id_text = np.asarray(self.id_text, dtype=object)[order]
-        if len(np.unique(self.ids)) != len(self.ids):
-            dup = self.ids[1:][self.ids[1:] == self.ids[:-1]][:5]
-            raise DataError(f"sample ids must be unique; repeated ids: {dup.tolist()}")
+        self.ids = np.asarray(self.ids, dtype=np.int64)
+        if len(self.ids) > 1 and not (self.ids[1:] > self.ids[:-1]).all():
+            raise ValueError("PartyTable ids must be sorted and unique")
+        self._encoded = self.encoder is None
+        if self.encoder is None and self.matrix is None and not self.streamed:
+            self.matrix = self.rowstore.numbers
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the rows are read from a cache on disk (batch by batch) rather than memory."""
+        return isinstance(self.rowstore, DiskRows)
+
+    @property
+    def values(self) -> np.ndarray | None:
+        """float64 [n_rows, n_columns], the encoded rows in id order (None until text columns
+        are encoded). For a streamed table this builds the whole matrix in memory (logged):
+        methods that stream use `rows`, `row_blocks` and `column_summary` instead."""
+        if self.matrix is not None or not self._encoded:
+            return self.matrix
+        log.warning(
+            "%s: a method asked for the whole encoded table (%d rows x %d columns, %.2f GB) "
+            "in memory; the table is streamed from disk, memory is no longer bounded by the "
+            "batch",
+            self.where,
+            len(self.ids),
+            len(self.columns),
+            len(self.ids) * len(self.columns) * 8 / 1e9,
+        )
+        self.matrix = self._encode_at(np.arange(len(self.ids)))
+        return self.matrix
 
     def prepare(self, train_ids: np.ndarray) -> None:
         """Fit the encoding of text columns on the training rows this table holds (once)."""
-        if self.encoder is None or self.values is not None:
+        if self._encoded:
             return
         train = np.asarray(train_ids, dtype=np.int64)
-        rows = self.positions(train[self.has(train)])
-        self.encoder.fit({c: v[rows] for c, v in self.raw.items()})
-        self.values = self.encoder.transform(self.raw, where=self.where)
-        self.columns = self.encoder.out_columns
+        positions = self.positions(train[self.has(train)])
+        self.encoder.fit_codes(
+            self.levels, (codes for _, _, codes in self.rowstore.scan(positions))
+        )
+        self._encoded_now()
 
     def use_encoding(self, state: dict | None) -> None:
         """Encode the text columns with a saved encoding (a trained model scoring new rows)."""
-        if self.encoder is None or self.values is not None:
+        if self._encoded:
             return
         if state is None:
             raise DataError(f"{self.where}: text columns but no saved encoding to score them")
         self.encoder.load_state_dict(state)
-        self.values = self.encoder.transform(self.raw, where=self.where)
+        self._encoded_now()
+
+    def _encoded_now(self) -> None:
         self.columns = self.encoder.out_columns
+        self._encoded = True
+        if not self.streamed:
+            store = self.rowstore
+            self.matrix = self.encoder.encode(store.numbers, store.codes, self.levels)
 
     def texts(self, ids: np.ndarray) -> np.ndarray:
         """The identifiers of `ids` as written in the file."""
-        if self.id_text is None:
+        texts = self.rowstore.texts(self.positions(ids))
+        if texts is None:
             return np.asarray(ids).astype(str).astype(object)
-        return self.id_text[self.positions(ids)]
+        return texts
 
     def encoding_state(self) -> dict | None:
         return None if self.encoder is None else self.encoder.state_dict()
@@ -111,22 +166,102 @@ class PartyTable:
         return self.ids[pos] == ids
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        if self.values is None:
+        """float64 [len(ids), n_columns]: the encoded rows of `ids`, in that order."""
+        if not self._encoded:
             raise RuntimeError(f"{self.where}: the text columns are encoded at set-up (prepare)")
-        return self.values[self.positions(ids)]
+        positions = self.positions(ids)
+        if self.matrix is not None:
+            return self.matrix[positions]
+        return self._encode_at(positions)
+
+    def row_blocks(self, ids: np.ndarray) -> Iterator[np.ndarray]:
+        """The encoded rows of `ids` a block at a time (in memory: one block, in their order;
+        streamed: blocks of `rowstore.SCAN_ROWS` rows in file order)."""
+        if not self._encoded:
+            raise RuntimeError(f"{self.where}: the text columns are encoded at set-up (prepare)")
+        if self.matrix is not None:
+            yield self.rows(ids)
+            return
+        for _, numbers, codes in self.rowstore.scan(self.positions(ids)):
+            if self.encoder is None:
+                yield numbers
+            else:
+                yield self.encoder.encode(numbers, codes, self.levels)
+
+    def column_summary(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Per encoded column over the rows of `ids`, empty cells ignored: count, mean,
+        (population) std, min and max. A table in memory computes them as NumPy's nan-functions
+        do on those rows (so a scaler fitted on them is the one fitted on the rows); a streamed
+        one merges blocks (equal to within rounding, ~1e-15 relative). With no row: mean 0,
+        std 1, min 0, max 1 (what the scalers use)."""
+        d = len(self.columns)
+        if len(ids) == 0:
+            return {
+                "count": np.zeros(d),
+                "mean": np.zeros(d),
+                "std": np.ones(d),
+                "min": np.zeros(d),
+                "max": np.ones(d),
+            }
+        with np.errstate(all="ignore"):
+            if not self.streamed:
+                rows = self.rows(ids)
+                return {
+                    "count": (~np.isnan(rows)).sum(axis=0).astype(np.float64),
+                    "mean": np.nanmean(rows, axis=0),
+                    "std": np.nanstd(rows, axis=0),
+                    "min": np.nanmin(rows, axis=0),
+                    "max": np.nanmax(rows, axis=0),
+                }
+            return _merged_summary(self.row_blocks(ids), d)
+
+    def _encode_at(self, positions: np.ndarray) -> np.ndarray:
+        numbers, codes = self.rowstore.take(positions)
+        if self.encoder is None:
+            return numbers
+        return self.encoder.encode(numbers, codes, self.levels)
+
+
+def _merged_summary(blocks: Iterator[np.ndarray], d: int) -> dict[str, np.ndarray]:
+    """Count, mean, std, min, max per column over row blocks (Chan et al.'s pairwise update of
+    the sum of squared deviations), NaN ignored."""
+    count = np.zeros(d)
+    mean = np.zeros(d)
+    m2 = np.zeros(d)
+    low = np.full(d, np.nan)
+    high = np.full(d, np.nan)
+    for block in blocks:
+        seen = ~np.isnan(block)
+        c = seen.sum(axis=0).astype(np.float64)
+        if not c.any():
+            continue
+        filled = np.where(seen, block, 0.0)
+        m = filled.sum(axis=0) / np.maximum(c, 1)
+        dev = np.where(seen, block - m, 0.0)
+        s2 = (dev * dev).sum(axis=0)
+        total = count + c
+        delta = m - mean
+        share = np.where(total > 0, c / np.maximum(total, 1), 0.0)
+        mean = np.where(c > 0, mean + delta * share, mean)
+        m2 = np.where(c > 0, m2 + s2 + delta * delta * count * share, m2)
+        count = total
+        low = np.fmin(low, np.nanmin(np.where(seen, block, np.inf), axis=0))
+        high = np.fmax(high, np.nanmax(np.where(seen, block, -np.inf), axis=0))
+    none = count == 0
+    return {
+        "count": count,
+        "mean": np.where(none, np.nan, mean),
+        "std": np.where(none, np.nan, np.sqrt(m2 / np.maximum(count, 1))),
+        "min": np.where(none, np.nan, low),
+        "max": np.where(none, np.nan, high),
+    }
 
 
 @dataclass
 class ActiveTable(PartyTable):
     """The active party's table: its own columns (possibly none) and the labels."""
 
-    labels: np.ndarray | None = None  # float64 [n_rows]
-
-    def __post_init__(self) -> None:
-        order = np.argsort(self.ids, kind="stable")
-        labels = np.asarray(self.labels, dtype=np.float64)
-        self.labels = labels[order]
-        super().__post_init__()
+    labels: np.ndarray | None = None  # float64 [n_rows], in id order
 
     def label_rows(self, ids: np.ndarray) -> np.ndarray:
         return self.labels[self.positions(ids)]
@@ -134,6 +269,278 @@ class ActiveTable(PartyTable):
     def labeled(self, ids: np.ndarray) -> np.ndarray:
         """Which of `ids` carry a label (a labeled budget leaves the others empty)."""
         return ~np.isnan(self.label_rows(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming or not
+
+
+def streams(size: int, setting: bool | str | None) -> bool:
+    """Whether a file of `size` bytes is streamed under the [data] stream `setting`."""
+    if setting is None or setting == "auto":
+        return size > STREAM_ABOVE_BYTES
+    return bool(setting)
+
+
+def _source(reader: TableReader, streamed: bool) -> Callable[[], Iterator[TextChunk]]:
+    """The chunks, again at each call: read anew when streaming, kept in memory otherwise."""
+    if streamed:
+        return reader.chunks
+    kept = list(reader.chunks())
+    return lambda: iter(kept)
+
+
+def _stream_setting(cfg: RunConfig, stream: bool | str | None) -> bool | str | None:
+    return getattr(cfg, "stream", None) if stream is None else stream
+
+
+def _id_column(cfg: RunConfig) -> str:
+    return ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column
+
+
+def _texts_at(reader: TableReader, rows: np.ndarray) -> list[str]:
+    """The identifiers as written of file rows `rows` (one more pass; for error messages)."""
+    wanted = {int(r) for r in rows}
+    found: dict[int, str] = {}
+    for chunk in reader.chunks():
+        inside = [r for r in wanted if chunk.first_row <= r < chunk.first_row + chunk.n_rows]
+        text = chunk_id_text(chunk)
+        for r in inside:
+            found[r] = text[r - chunk.first_row].as_py()
+        if len(found) == len(wanted):
+            break
+    return [found[int(r)] for r in rows]
+
+
+def _held_mask(chunk: TextChunk, columns: Sequence[str]) -> np.ndarray:
+    """Rows of a chunk with at least one non-empty cell among `columns` (all, with none)."""
+    held = np.zeros(chunk.n_rows, dtype=bool) if columns else np.ones(chunk.n_rows, dtype=bool)
+    for c in columns:
+        held |= pc.is_valid(chunk.cells[c]).to_numpy(zero_copy_only=False)
+    return held
+
+
+# ---------------------------------------------------------------------------------------------
+# a role's table
+
+
+def _load(
+    path: Path,
+    cfg: RunConfig,
+    *,
+    role: str,
+    columns: Sequence[str],
+    types: Sequence[tuple[str, str]],
+    where: str,
+    label: str | None,
+    saved: dict | None,
+    drop_unheld: bool,
+    stream: bool | str | None,
+    cache_dir: Path | None,
+    chunk_bytes: int,
+) -> dict[str, Any]:
+    """Read a role's file in two passes (types, then compact rows) into a row store."""
+    reader = TableReader(
+        path,
+        columns=[*columns] + ([label] if label is not None else []),
+        id_column=_id_column(cfg),
+        na=cfg.na_tokens,
+        delimiter=cfg.delimiter,
+        chunk_bytes=chunk_bytes,
+    )
+    streamed = streams(reader.size, _stream_setting(cfg, stream))
+    chunks = _source(reader, streamed)
+    if saved is not None:  # a trained model scoring new rows: the types it was trained with
+        kinds = dict(saved["kinds"])
+    else:
+        declared = dict(types)
+        unknown = [c for c in columns if not declared.get(c)]
+        sniffers = {c: KindSniffer() for c in unknown}
+        if unknown:
+            for chunk in chunks():
+                for c in unknown:
+                    sniffers[c].update(chunk.cells[c])
+        kinds = {c: declared.get(c) or sniffers[c].kind for c in columns}
+    converter = CompactConverter(kinds)
+    label_levels = CompactConverter({label: "categorical"}) if label is not None else None
+    regression = cfg.task == "regression"
+    file_where = str(reader.path)
+    ids_parts: list[np.ndarray] = []
+    held_parts: list[np.ndarray] = []
+    label_parts: list[np.ndarray] = []
+    numbers_parts: list[np.ndarray] = []
+    codes_parts: list[np.ndarray] = []
+    text_parts: list[pa.Array] = []
+    writer = (
+        DiskRowsWriter(
+            cache_dir,
+            prefix=f"rows-{role}",
+            n_numbers=len(converter.numeric),
+            n_codes=len(converter.categorical),
+        )
+        if streamed
+        else None
+    )
+    try:
+        for chunk in chunks():
+            ids_parts.append(chunk_ids(chunk, where=file_where))
+            numbers, codes = converter.convert(
+                chunk.cells, chunk.n_rows, where=where, first_row=chunk.first_row
+            )
+            held = _held_mask(chunk, columns) if drop_unheld else np.ones(chunk.n_rows, bool)
+            held_parts.append(held)
+            text = chunk_id_text(chunk).filter(pa.array(held))
+            if label is not None:
+                cells = chunk.cells[label]
+                if regression:
+                    part = numbers_of(cells, column=label, where=where, first_row=chunk.first_row)
+                else:
+                    part = label_levels.convert({label: cells}, chunk.n_rows, where=where)[1][:, 0]
+                label_parts.append(part[held])
+            if writer is not None:
+                writer.append(numbers[held], codes[held], None if reader.by_line else text)
+            else:
+                numbers_parts.append(numbers[held])
+                codes_parts.append(codes[held])
+                text_parts.append(text)
+        all_ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
+        del ids_parts
+        check_unique(all_ids, where=file_where, texts_at=lambda rows: _texts_at(reader, rows))
+        held_all = np.concatenate(held_parts) if held_parts else np.empty(0, bool)
+        ids = all_ids[held_all]
+        del all_ids, held_all
+        order = np.argsort(ids, kind="stable")
+        ids = ids[order]
+        if writer is not None:
+            store: MemoryRows | DiskRows = writer.finish(order, texts=not reader.by_line)
+        else:
+            store = MemoryRows(
+                _stack(numbers_parts, len(converter.numeric), np.float64)[order],
+                _stack(codes_parts, len(converter.categorical), np.int32)[order],
+                _object_text(text_parts)[order],
+            )
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+    labels = None
+    if label is not None:
+        joined = np.concatenate(label_parts) if label_parts else np.empty(0)
+        if not regression:
+            joined = LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
+                label_levels.levels[label], joined.astype(np.int32), column=label, where=where
+            )
+        labels = joined
+    return {
+        "ids": ids,
+        "order": order,
+        "store": store,
+        "kinds": kinds,
+        "levels": converter.levels,
+        "labels": labels,
+        "where": where,
+    }
+
+
+def _stack(parts: list[np.ndarray], width: int, dtype: type) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty((0, width), dtype=dtype)
+
+
+def _object_text(parts: list[pa.Array]) -> np.ndarray:
+    if not parts:
+        return np.empty(0, dtype=object)
+    return np.asarray(pa.concat_arrays(parts).to_numpy(zero_copy_only=False), dtype=object)
+
+
+def _make(cls: type, loaded: dict[str, Any], columns: Sequence[str], **extra: Any) -> PartyTable:
+    kinds = loaded["kinds"]
+    text = any(k != "numeric" for k in kinds.values())
+    return cls(
+        ids=loaded["ids"],
+        columns=tuple(columns),
+        rowstore=loaded["store"],
+        encoder=ColumnEncoder(kinds) if text else None,
+        levels=loaded["levels"],
+        where=loaded["where"],
+        **extra,
+    )
+
+
+def load_party_table(
+    path: Path,
+    cfg: RunConfig,
+    role: str,
+    *,
+    encoding: dict | None = None,
+    stream: bool | str | None = None,
+    cache_dir: Path | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> PartyTable:
+    """A passive party's own file. A row whose cells are all empty is a row the party lacks.
+    Text columns (inferred, or declared in [parties.NAME] types) are encoded at set-up; with a
+    saved `encoding` (scoring new rows), with the types and categories it holds.
+
+    `stream` (default: the config's [data] stream, "auto") streams the file into a row cache
+    in a new directory under `cache_dir` (default: a temporary directory), removed with the
+    table. Refuses (DataError naming the file, column and row) a bad identifier or value."""
+    party = cfg.party(role)
+    loaded = _load(
+        path,
+        cfg,
+        role=role,
+        columns=party.columns,
+        types=party.types,
+        where=f"party {role!r} ({Path(path).name})",
+        label=None,
+        saved=encoding,
+        drop_unheld=True,
+        stream=stream,
+        cache_dir=cache_dir,
+        chunk_bytes=chunk_bytes,
+    )
+    return _make(PartyTable, loaded, party.columns)
+
+
+def load_active_table(
+    path: Path,
+    cfg: RunConfig,
+    *,
+    encoding: dict | None = None,
+    scoring: bool = False,
+    stream: bool | str | None = None,
+    cache_dir: Path | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> ActiveTable:
+    """The active party's file; `scoring`: rows to score, whose labels may be absent.
+    `stream`, `cache_dir` as in `load_party_table`."""
+    label = cfg.label
+    if scoring and cfg.label not in _header_of(Path(path), cfg):
+        label = None
+    where = f"the active party ({Path(path).name})"
+    loaded = _load(
+        path,
+        cfg,
+        role=cfg.active_name,
+        columns=cfg.active_columns,
+        types=cfg.active_types,
+        where=where,
+        label=label,
+        saved=encoding,
+        drop_unheld=False,
+        stream=stream,
+        cache_dir=cache_dir,
+        chunk_bytes=chunk_bytes,
+    )
+    labels = loaded["labels"]
+    if labels is None:
+        labels = np.full(len(loaded["ids"]), np.nan)
+    elif np.isnan(labels).any() and cfg.labeled is None and not scoring:
+        line = int(np.argmax(np.isnan(labels))) + 2
+        raise DataError(
+            f"{path}:{line}: the label {cfg.label!r} is empty (set [missing] labeled if some "
+            "training rows are unlabeled on purpose)"
+        )
+    return _make(ActiveTable, loaded, cfg.active_columns, labels=labels[loaded["order"]])
 
 
 def read_csv_columns(
@@ -147,21 +554,56 @@ def read_csv_columns(
     positive: str | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Read the ids, numeric `columns` (empty cell -> NaN) and optionally the label (coded by
-    `LabelCodec`). Raises DataError naming the file and the first bad column or value."""
-    raw = read_table(Path(path), columns=columns, id_column=id_column, label=label)
-    values = _matrix([numeric(raw.cells[c], column=c, where=str(path)) for c in columns], raw)
+    `LabelCodec`), chunk by chunk. Raises DataError naming the file and the first bad column
+    or value."""
+    reader = TableReader(
+        Path(path),
+        columns=[*columns] + ([label] if label is not None else []),
+        id_column=id_column,
+        na=NA_TOKENS,
+    )
+    where = str(path)
+    ids, values, codes, numbers = [], [], [], []
+    levels = CompactConverter({label: "categorical"}) if label is not None else None
+    for chunk in reader.chunks():
+        ids.append(chunk_ids(chunk, where=where))
+        block = np.empty((chunk.n_rows, len(columns)))
+        for j, c in enumerate(columns):
+            block[:, j] = numbers_of(
+                chunk.cells[c], column=c, where=where, first_row=chunk.first_row
+            )
+        values.append(block)
+        if label is not None:
+            if task == "regression":
+                numbers.append(
+                    numbers_of(
+                        chunk.cells[label], column=label, where=where, first_row=chunk.first_row
+                    )
+                )
+            else:
+                cells = {label: chunk.cells[label]}
+                codes.append(levels.convert(cells, chunk.n_rows, where=where)[1])
+    all_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+    check_unique(all_ids, where=where, texts_at=lambda rows: _texts_at(reader, rows))
+    matrix = _stack(values, len(columns), np.float64)
     labels = None
     if label is not None:
-        labels = LabelCodec(task, positive=positive).encode(
-            raw.label, column=label, where=str(path)
-        )
+        if task == "regression":
+            labels = np.concatenate(numbers) if numbers else np.empty(0)
+        else:
+            labels = LabelCodec(task, positive=positive).encode_levels(
+                levels.levels[label],
+                _stack(codes, 1, np.int32)[:, 0],
+                column=label,
+                where=where,
+            )
         if np.isnan(labels).any() and not empty_labels:
             line = int(np.argmax(np.isnan(labels))) + 2
             raise DataError(
                 f"{path}:{line}: the label {label!r} is empty (set [missing] labeled if some "
                 "training rows are unlabeled on purpose)"
             )
-    return raw.ids, values, labels
+    return all_ids, matrix, labels
 
 
 def write_csv(
@@ -193,31 +635,49 @@ def role_data_path(run_dir: Path, role: str) -> Path:
     return run_dir / "data" / f"{role}.csv"
 
 
-def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
+# ---------------------------------------------------------------------------------------------
+# splitting a table into one file per role
+
+# missingness generators that read at most whether a party's block of a row has a number
+_AVAILABILITY_ONLY = frozenset({"none", "mcar", "beta"})
+
+
+def split_federation(
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    stream: bool | str | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> dict[str, Path]:
     """Split the config's table into one CSV per role inside `run_dir/data/`, cells as written
     (text columns stay text: each role encodes its own).
 
     A passive party's file has no line for the rows it lacks: rows whose cells of its columns are
     all empty (NA) in the source table, or rows the configured missingness generator ([missing])
     removes. Rows that no passive party holds are dropped from every file. Returns role -> file.
-    Raises ConfigError naming a missing column."""
+
+    Two passes over the table, chunk by chunk (`stream` as in `load_party_table`; a table kept
+    in memory is read once): the first keeps ids, labels and which party holds each row (and,
+    for a value-dependent missingness generator, the parties' numeric cells), the second writes.
+    Raises ConfigError naming a missing column or a bad value."""
     from securevfl.data.missing import presence
 
     roles = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
+    parties = list(cfg.party_names)
     try:
-        raw = read_table(
+        reader = TableReader(
             cfg.data_path,
-            columns=[c for _, cols in roles for c in cols],
+            columns=[c for _, cols in roles for c in cols] + [cfg.label],
             id_column=cfg.id_column,
-            label=cfg.label,
             na=cfg.na_tokens,
             delimiter=cfg.delimiter,
+            chunk_bytes=chunk_bytes,
         )
-        labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
-            raw.label, column=cfg.label, where=str(cfg.data_path)
-        )
+        chunks = _source(reader, streams(reader.size, _stream_setting(cfg, stream)))
+        first = _first_pass(cfg, reader, chunks, parties)
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
+    labels = first["labels"]
     if cfg.labeled is None and np.isnan(labels).any():
         line = int(np.argmax(np.isnan(labels))) + 2
         raise ConfigError(
@@ -225,171 +685,208 @@ def split_federation(cfg: RunConfig, run_dir: Path) -> dict[str, Path]:
             f"{cfg.data_path}:{line}: the label {cfg.label!r} is empty (drop the row, or set "
             "[missing] labeled if some training rows are unlabeled on purpose)",
         )
-    # numbers for the value-dependent missingness generators (text cells count as missing)
-    blocks = {role: _numbers(raw, cols) for role, cols in roles}
-    present = np.stack([_held(raw, cfg.party(p).columns) for p in cfg.party_names], axis=1)
-    _, test_ids = train_test_split(
-        raw.ids,
+    blocks = first["blocks"]
+    present = first["held"]
+    is_test = holdout_mask(
+        first["ids"],
         test_fraction=cfg.test_fraction,
         seed=cfg.seed,
         labels=labels,
         stratify=stratified(cfg),
     )
-    is_test = np.isin(raw.ids, test_ids)
+    del first
     for split, spec, rows in (
         ("train", cfg.missing_train, ~is_test),
         ("test", cfg.missing_test, is_test),
     ):
-        sub = {p: blocks[p][rows] for p in cfg.party_names}
+        if spec.kind == "none":
+            continue
+        sub = {p: blocks[p][rows] for p in parties}
         present[rows] &= presence(
             spec,
-            parties=cfg.party_names,
+            parties=parties,
             n_rows=int(rows.sum()),
             seed=cfg.seed,
             split=split,
             features=sub,
         )
     kept_labels = _labeled_budget(cfg, blocks, labels, present, is_test)
-    label_text = np.where(np.isnan(kept_labels), None, raw.label)
+    del blocks, labels, is_test
     keep = present.any(axis=1)
-    id_name = ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column
-    out: dict[str, Path] = {}
-    for role, cols in roles:
-        is_active = role == cfg.active_name
-        # the active party keeps every row (and so the same train/test split); it learns at
-        # set-up which rows each party holds and drops the rows nobody holds
-        rows = (
-            np.ones(len(raw.ids), dtype=bool)
-            if is_active
-            else (keep & present[:, cfg.party_names.index(role)])
-        )
-        header = [id_name, *cols] + ([cfg.label] if is_active else [])
-        body = [raw.id_text[rows], *(raw.cells[c][rows] for c in cols)]
-        if is_active:
-            body.append(label_text[rows])
-        path = role_data_path(run_dir, role)
-        _write_text(path, header, body)
-        out[role] = path
+    masks = {cfg.active_name: None}  # the active party keeps every row
+    for k, p in enumerate(parties):
+        masks[p] = keep & present[:, k]
+    del present, keep
+    label_kept = ~np.isnan(kept_labels)
+    del kept_labels
+    id_name = _id_column(cfg)
+    out = {role: role_data_path(run_dir, role) for role, _ in roles}
+    headers = {role: [id_name, *cols] for role, cols in roles}
+    headers[cfg.active_name].append(cfg.label)
+    try:
+        with _RoleWriters(out, headers) as writers:
+            for chunk in chunks():
+                s, e = chunk.first_row, chunk.first_row + chunk.n_rows
+                text = pc.fill_null(chunk_id_text(chunk), "")
+                for role, cols in roles:
+                    body = [text, *(chunk.cells[c] for c in cols)]
+                    if role == cfg.active_name:
+                        body.append(_where_kept(chunk.cells[cfg.label], label_kept[s:e]))
+                    writers.write(role, body, None if masks[role] is None else masks[role][s:e])
+    except DataError as exc:
+        raise ConfigError("[data] path", str(exc)) from None
     return out
 
 
-def _matrix(columns: Sequence[np.ndarray], raw: RawTable) -> np.ndarray:
-    """The columns side by side, [n_rows, len(columns)] (also with no column)."""
-    if not columns:
-        return np.empty((len(raw.ids), 0))
-    return np.stack(columns, axis=1)
-
-
-def _numbers(raw: RawTable, columns: Sequence[str]) -> np.ndarray:
-    """float64 [n, len(columns)]: each cell as a number, NaN where empty or not a number."""
-    out = np.full((len(raw.ids), len(columns)), np.nan)
-    for j, c in enumerate(columns):
-        for i, v in enumerate(raw.cells[c]):
-            if v is not None:
-                try:
-                    out[i, j] = float(v)
-                except ValueError:
-                    pass
-    return out
-
-
-def _held(raw: RawTable, columns: Sequence[str]) -> np.ndarray:
-    """Rows with at least one non-empty cell among `columns`."""
-    if not columns:
-        return np.ones(len(raw.ids), dtype=bool)
-    return np.any(np.stack([raw.cells[c] != None for c in columns]), axis=0)  # noqa: E711
-
-
-def _write_text(path: Path, header: Sequence[str], columns: Sequence[np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(header)
-        for row in zip(*columns, strict=True):
-            w.writerow(["" if v is None else v for v in row])
-
-
-def _load_block(
-    path: Path,
+def _first_pass(
     cfg: RunConfig,
-    columns: Sequence[str],
-    types: Sequence[tuple[str, str]],
-    *,
-    label: str | None = None,
-    saved: dict | None = None,
-) -> tuple[RawTable, dict[str, str]]:
-    raw = read_table(
-        path,
-        columns=columns,
-        id_column=ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column,
-        label=label,
-        na=cfg.na_tokens,
-        delimiter=cfg.delimiter,
-    )
-    declared = dict(types)
-    kinds = {c: declared.get(c) or infer_kind(raw.cells[c]) for c in columns}
-    if saved is not None:  # a trained model scoring new rows: the types it was trained with
-        kinds = dict(saved["kinds"])
-    return raw, kinds
-
-
-def _table(
-    cls: type, raw: RawTable, kinds: dict[str, str], columns: Sequence[str], where: str, **extra
-) -> PartyTable:
-    if all(k == "numeric" for k in kinds.values()):
-        values = _matrix([numeric(raw.cells[c], column=c, where=where) for c in columns], raw)
-        return cls(
-            ids=raw.ids,
-            columns=tuple(columns),
-            values=values,
+    reader: TableReader,
+    chunks: Callable[[], Iterator[TextChunk]],
+    parties: Sequence[str],
+) -> dict[str, Any]:
+    """Ids, labels, which party holds each row, and the blocks the missingness generators and
+    the labeled budget read (`_split_blocks`)."""
+    where = str(reader.path)
+    regression = cfg.task == "regression"
+    label_levels = CompactConverter({cfg.label: "categorical"})
+    columns = {p: cfg.party(p).columns for p in parties}
+    full, numbers_any = _split_blocks(cfg)
+    ids, held, labels = [], [], []
+    blocks: dict[str, list[np.ndarray]] = {p: [] for p in parties}
+    for chunk in chunks():
+        ids.append(chunk_ids(chunk, where=where))
+        held.append(np.stack([_held_mask(chunk, columns[p]) for p in parties], axis=1))
+        cells = chunk.cells[cfg.label]
+        if regression:
+            labels.append(
+                numbers_of(cells, column=cfg.label, where=where, first_row=chunk.first_row)
+            )
+        else:
+            labels.append(
+                label_levels.convert({cfg.label: cells}, chunk.n_rows, where=where)[1][:, 0]
+            )
+        if not (full or numbers_any):
+            continue
+        for p in parties:
+            # numbers for the value-dependent generators (text cells count as missing)
+            block = np.full((chunk.n_rows, len(columns[p])), np.nan)
+            for j, c in enumerate(columns[p]):
+                block[:, j] = numbers_of(chunk.cells[c], column=c, where=where, strict=False)
+            if not full:  # availability only: one column, NaN where the block has no number
+                block = np.where(np.isnan(block).all(axis=1), np.nan, 0.0)[:, None]
+            blocks[p].append(block)
+    all_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+    del ids
+    check_unique(all_ids, where=where, texts_at=lambda rows: _texts_at(reader, rows))
+    joined = np.concatenate(labels) if labels else np.empty(0)
+    if not regression:
+        joined = LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
+            label_levels.levels[cfg.label],
+            joined.astype(np.int32),
+            column=cfg.label,
             where=where,
-            id_text=raw.id_text,
-            **extra,
         )
-    for c in columns:  # a bad number is named now, not at set-up
-        if kinds[c] == "numeric":
-            numeric(raw.cells[c], column=c, where=where)
-    return cls(
-        ids=raw.ids,
-        columns=tuple(columns),
-        values=None,
-        raw=raw.cells,
-        encoder=ColumnEncoder(kinds),
-        where=where,
-        id_text=raw.id_text,
-        **extra,
-    )
+    n = len(all_ids)
+    return {
+        "ids": all_ids,
+        "labels": joined,
+        "held": np.concatenate(held) if held else np.zeros((0, len(parties)), bool),
+        "blocks": {
+            p: np.concatenate(b) if b else np.full((n, 1), np.nan)
+            for p, b in blocks.items()
+            if full or numbers_any
+        },
+    }
+
+
+def _split_blocks(cfg: RunConfig) -> tuple[bool, bool]:
+    """(whether the parties' numeric cells are needed, whether only the availability of a
+    number in each party's block of a row is)."""
+    kinds = {cfg.missing_train.kind, cfg.missing_test.kind}
+    full = not kinds <= _AVAILABILITY_ONLY
+    return full, not full and (cfg.labeled is not None or kinds != {"none"})
+
+
+def _where_kept(label: pa.Array, kept: np.ndarray) -> pa.Array:
+    """The label cells, emptied where the labeled budget removed the label."""
+    return pc.if_else(pa.array(kept), label, pa.scalar(None, pa.string()))
+
+
+class _RoleWriters:
+    """One CSV writer per role file (header first); `write` appends the rows a mask selects."""
+
+    def __init__(self, paths: Mapping[str, Path], headers: Mapping[str, Sequence[str]]) -> None:
+        self.paths, self.headers = paths, headers
+        self._stack = ExitStack()
+        self._writers: dict[str, Any] = {}
+
+    def __enter__(self) -> _RoleWriters:
+        for role, path in self.paths.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fh = self._stack.enter_context(path.open("w", newline="", encoding="utf-8"))
+            self._writers[role] = csv.writer(fh)
+            self._writers[role].writerow(self.headers[role])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def write(self, role: str, columns: Sequence[pa.Array], mask: np.ndarray | None) -> None:
+        if mask is not None:
+            if not mask.any():
+                return
+            selected = pa.array(mask)
+            columns = [c.filter(selected) for c in columns]
+        lists = [pc.fill_null(c, "").to_pylist() for c in columns]
+        self._writers[role].writerows(zip(*lists, strict=True))
 
 
 def split_rows(cfg: RunConfig, source: Path, out_dir: Path) -> dict[str, Path]:
     """New rows to score: the table `source` (the run's columns; the label optional) split
-    into one file per role in `out_dir`, every row to every role that has a cell of it."""
+    into one file per role in `out_dir`, every row to every role that has a cell of it. One
+    pass, chunk by chunk."""
     roles = [(cfg.active_name, cfg.active_columns)] + [(p.name, p.columns) for p in cfg.parties]
-    with Path(source).open(encoding="utf-8-sig") as fh:
-        has_label = cfg.label in fh.readline()
+    columns = [c for _, cols in roles for c in cols]
     try:
-        raw = read_table(
+        has_label = cfg.label in _header_of(Path(source), cfg)
+        reader = TableReader(
             Path(source),
-            columns=[c for _, cols in roles for c in cols],
+            columns=columns + ([cfg.label] if has_label else []),
             id_column=cfg.id_column,
-            label=cfg.label if has_label else None,
             na=cfg.na_tokens,
             delimiter=cfg.delimiter,
         )
+        id_name = _id_column(cfg)
+        out = {role: Path(out_dir) / f"{role}.csv" for role, _ in roles}
+        headers = {
+            role: [id_name, *cols] + ([cfg.label] if role == cfg.active_name and has_label else [])
+            for role, cols in roles
+        }
+        ids = []
+        where = str(reader.path)
+        with _RoleWriters(out, headers) as writers:
+            for chunk in reader.chunks():
+                ids.append(chunk_ids(chunk, where=where))
+                text = pc.fill_null(chunk_id_text(chunk), "")
+                for role, cols in roles:
+                    body = [text, *(chunk.cells[c] for c in cols)]
+                    if role == cfg.active_name:
+                        if has_label:
+                            body.append(chunk.cells[cfg.label])
+                        writers.write(role, body, None)
+                    else:
+                        writers.write(role, body, _held_mask(chunk, cols))
+        all_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+        check_unique(all_ids, where=where, texts_at=lambda rows: _texts_at(reader, rows))
     except DataError as exc:
         raise ConfigError("--data", str(exc)) from None
-    id_name = ROW_ID_COLUMN if cfg.id_column == ROW_NUMBER_ID else cfg.id_column
-    out: dict[str, Path] = {}
-    for role, cols in roles:
-        is_active = role == cfg.active_name
-        rows = np.ones(len(raw.ids), dtype=bool) if is_active else _held(raw, cols)
-        header = [id_name, *cols] + ([cfg.label] if is_active and has_label else [])
-        body = [raw.id_text[rows], *(raw.cells[c][rows] for c in cols)]
-        if is_active and has_label:
-            body.append(raw.label[rows])
-        out[role] = Path(out_dir) / f"{role}.csv"
-        _write_text(out[role], header, body)
     return out
+
+
+def _header_of(path: Path, cfg: RunConfig) -> list[str]:
+    return TableReader(
+        path, columns=[], id_column=ROW_NUMBER_ID, na=cfg.na_tokens, delimiter=cfg.delimiter
+    ).header
 
 
 def stratified(cfg: RunConfig) -> bool:
@@ -430,49 +927,29 @@ def _labeled_budget(
     return out
 
 
-def load_party_table(
-    path: Path, cfg: RunConfig, role: str, *, encoding: dict | None = None
-) -> PartyTable:
-    """A passive party's own file. A row whose cells are all empty is a row the party lacks.
-    Text columns (inferred, or declared in [parties.NAME] types) are encoded at set-up; with a
-    saved `encoding` (scoring new rows), with the types and categories it holds."""
-    party = cfg.party(role)
-    raw, kinds = _load_block(path, cfg, party.columns, party.types, saved=encoding)
-    held = _held(raw, party.columns)
-    raw = RawTable(
-        ids=raw.ids[held],
-        id_text=raw.id_text[held],
-        cells={c: v[held] for c, v in raw.cells.items()},
+def holdout_mask(
+    ids: np.ndarray,
+    *,
+    test_fraction: float,
+    seed: int,
+    labels: np.ndarray | None = None,
+    stratify: bool = False,
+) -> np.ndarray:
+    """Which of `ids` (in their order) are test rows: `train_test_split` as a mask."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    mask = np.zeros(len(ids), dtype=bool)
+    if test_fraction <= 0:
+        return mask
+    groups = (
+        [np.arange(len(ids))]
+        if not stratify or labels is None
+        else [np.flatnonzero(labels == c) for c in np.unique(labels)]
     )
-    return _table(PartyTable, raw, kinds, party.columns, f"party {role!r} ({path.name})")
-
-
-def load_active_table(
-    path: Path, cfg: RunConfig, *, encoding: dict | None = None, scoring: bool = False
-) -> ActiveTable:
-    """The active party's file; `scoring`: rows to score, whose labels may be absent."""
-    label = cfg.label
-    if scoring:
-        with path.open(encoding="utf-8-sig") as fh:
-            if cfg.label not in fh.readline():
-                label = None
-    raw, kinds = _load_block(
-        path, cfg, cfg.active_columns, cfg.active_types, label=label, saved=encoding
-    )
-    where = f"the active party ({path.name})"
-    if label is None:
-        labels = np.full(len(raw.ids), np.nan)
-    else:
-        labels = LabelCodec(cfg.task, positive=cfg.positive).encode(
-            raw.label, column=cfg.label, where=where
-        )
-    if np.isnan(labels).any() and cfg.labeled is None and not scoring:
-        line = int(np.argmax(np.isnan(labels))) + 2
-        raise DataError(
-            f"{path}:{line}: the label {cfg.label!r} is empty (set [missing] labeled if some "
-            "training rows are unlabeled on purpose)"
-        )
-    return _table(ActiveTable, raw, kinds, cfg.active_columns, where, labels=labels)
+    for g in groups:
+        perm = rng.permutation(g)
+        n_test = int(round(test_fraction * len(g)))
+        mask[perm[:n_test]] = True
+    return mask
 
 
 def train_test_split(
@@ -484,18 +961,8 @@ def train_test_split(
     stratify: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic split of sample ids (stratified by label for classification)."""
-    rng = np.random.default_rng([seed, 0x5EED])
     ids = np.asarray(ids, dtype=np.int64)
-    if test_fraction <= 0:
-        return np.sort(ids), np.empty(0, dtype=np.int64)
-    test_mask = np.zeros(len(ids), dtype=bool)
-    groups = (
-        [np.arange(len(ids))]
-        if not stratify or labels is None
-        else [np.flatnonzero(labels == c) for c in np.unique(labels)]
+    mask = holdout_mask(
+        ids, test_fraction=test_fraction, seed=seed, labels=labels, stratify=stratify
     )
-    for g in groups:
-        perm = rng.permutation(g)
-        n_test = int(round(test_fraction * len(g)))
-        test_mask[perm[:n_test]] = True
-    return np.sort(ids[~test_mask]), np.sort(ids[test_mask])
+    return np.sort(ids[~mask]), np.sort(ids[mask])

@@ -82,7 +82,8 @@ class SinglePartyActive(_OlsActive):
     def designs(self, ctx: ActiveContext, train_ids: np.ndarray) -> list:
         party = single_party(self.config)
         if party == self.config.active_name:
-            rows = train_ids[~np.isnan(self.table.rows(train_ids)).all(axis=1)]
+            # complete cases of the active party's own block: rows with every cell present
+            rows = train_ids[~np.isnan(self.table.rows(train_ids)).any(axis=1)]
             self._enough(rows, (), True, f"training rows held by {party!r}")
             return [("complete", rows, (), True)]
         held = ctx.presence(train_ids)[:, self.config.party_names.index(party)]

@@ -100,6 +100,8 @@ class AuditReport:
     leakage: dict[str, LeakageMeasurement] = field(default_factory=dict)
     # where the true labels that scored the attacks came from (only the active party has them)
     leakage_labels: str = ""
+    # notes about the run that are not releases (a forced resume, a torn line repaired)
+    notes: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self, role: str, mechanism: str) -> AuditRow:
         """The row of (role, mechanism); KeyError if the ledger has no such events."""
@@ -120,6 +122,7 @@ class AuditReport:
             "refusals": list(self.refusals),
             "leakage": {role: m.to_json() for role, m in self.leakage.items()},
             "leakage_labels": self.leakage_labels,
+            "notes": list(self.notes),
         }
 
 
@@ -172,11 +175,14 @@ def audit(
     grouped: dict[tuple[str, str], list[LedgerEvent]] = {}
     unprotected: dict[tuple[str, str, str], list[dict]] = {}
     refusals: list[dict[str, Any]] = []
+    notes: list[dict[str, Any]] = []
     for e in events:
         if isinstance(e, LedgerEvent):
             grouped.setdefault((e.role, e.mechanism), []).append(e)
         elif e["kind"] == "refusal":
             refusals.append({k: e[k] for k in ("role", "rule", "detail", "round")})
+        elif e["kind"] == "note":
+            notes.append({k: e[k] for k in ("role", "what", "detail")})
         else:
             unprotected.setdefault((e["role"], e["what"], e["reason"]), []).append(e)
 
@@ -243,6 +249,7 @@ def audit(
         refusals=refusals,
         role_totals=role_totals,
         leakage=dict(leakage or {}),
+        notes=notes,
     )
 
 
@@ -349,6 +356,9 @@ def format_report(report: AuditReport) -> str:
         )
     else:
         out.append("Calls refused by a party's release policy: none.")
+    if report.notes:
+        out += ["", "Notes on the run (not releases):"]
+        out += [f"  {n['role']}: {n['what']}: {n['detail']}" for n in report.notes]
     if report.leakage:
         out += ["", "Measured label inference from received gradients (ROC-AUC, 0.5 = chance):"]
         out += _table(

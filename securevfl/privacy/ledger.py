@@ -13,6 +13,12 @@ Line format (schema 1), one JSON object per line:
   "mechanism": "unprotected", "what", "reason", "epoch", "time"}``
 - a call a passive party refused (its release policy): ``{"schema": 1, "kind": "refusal",
   "role", "rule", "detail", "round", "time"}`` (nothing was released)
+- a note about the run, not a release: ``{"schema": 1, "kind": "note", "role", "what",
+  "detail", "time"}`` (a forced resume with a changed config, a torn line repaired)
+
+A torn last line (a write cut short by a power loss or a full disk; a killed process cannot
+tear one: each event is a single ``write`` of a few hundred bytes) is refused when the ledger is
+opened, and repaired on ``--resume`` by `repair_torn_tail`, which never under-counts: see there.
 
 ``steps`` counts how many times each affected row was released by this event, the unit the
 accountant composes. For label DP and embedding DP (no amplification, sample rate 1) record
@@ -41,7 +47,9 @@ __all__ = [
     "LedgerError",
     "LedgerEvent",
     "PrivacyLedger",
+    "TornTail",
     "merge_history",
+    "repair_torn_tail",
 ]
 
 # the run directory's ledger: RUN_DIR/ledger.jsonl, appended by every role that shares the directory
@@ -49,6 +57,9 @@ LEDGER_FILENAME = "ledger.jsonl"
 SCHEMA_VERSION = 1
 UNPROTECTED = "unprotected"
 REFUSAL = "refusal"
+NOTE = "note"
+# where `repair_torn_tail` keeps the bytes it removed, next to the ledger
+TORN_SUFFIX = ".torn"
 
 History = list[tuple[float, float, int]]
 
@@ -194,7 +205,32 @@ def _parse_line(obj: Any) -> LedgerEvent | dict[str, Any]:
             raise ValueError(f"round must be an int, got {body['round']!r}")
         _check_number("time", body["time"], low=-math.inf, high=math.inf, high_ok=True)
         return {"kind": REFUSAL, **body}
-    raise ValueError(f"unknown kind {kind!r}; expected 'dp', {UNPROTECTED!r} or {REFUSAL!r}")
+    if kind == NOTE:
+        return _note_record(**_exact_keys(body, {"role", "what", "detail", "time"}, "a note"))
+    raise ValueError(
+        f"unknown kind {kind!r}; expected 'dp', {UNPROTECTED!r}, {REFUSAL!r} or {NOTE!r}"
+    )
+
+
+def _exact_keys(body: dict[str, Any], expected: set[str], what: str) -> dict[str, Any]:
+    if set(body) != expected:
+        raise ValueError(f"{what} record has exactly the keys {sorted(expected)}")
+    return body
+
+
+def _note_record(*, role: str, what: str, detail: str, time: Any) -> dict[str, Any]:
+    for name, value in (("role", role), ("what", what)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    if not isinstance(detail, str):
+        raise ValueError(f"detail must be a string, got {detail!r}")
+    return {
+        "kind": NOTE,
+        "role": role,
+        "what": what,
+        "detail": detail,
+        "time": _check_number("time", time, low=-math.inf, high=math.inf, high_ok=True),
+    }
 
 
 def merge_history(events: list[LedgerEvent]) -> History:
@@ -235,8 +271,9 @@ class PrivacyLedger:
                     if f.read(1) != b"\n":
                         raise LedgerError(
                             f"{self.path}: the last line has no final newline (a write torn by "
-                            "a crash?); appending would corrupt it. Repair the file (add the "
-                            "newline or drop the torn line) before resuming"
+                            "a crash?); appending would corrupt it. Continue the run with "
+                            "--resume, which repairs it without under-counting (or drop the "
+                            "torn line by hand)"
                         )
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,8 +284,12 @@ class PrivacyLedger:
             self._fsync_directory()
 
     def _fsync_directory(self) -> None:
+        self._fsync_dir(self.path.parent)
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
         try:
-            dfd = os.open(self.path.parent, os.O_RDONLY)
+            dfd = os.open(directory, os.O_RDONLY)
         except OSError:  # some platforms cannot open directories; the file fsync still holds
             return
         try:
@@ -259,9 +300,12 @@ class PrivacyLedger:
             os.close(dfd)
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
+        line = _line(record)
+        import fcntl
+
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while `repair_torn_tail` holds the file
             written = os.write(fd, line)
             if written != len(line):
                 raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
@@ -333,6 +377,13 @@ class PrivacyLedger:
         self._append({"schema": SCHEMA_VERSION, **record})
         self._events.append(record)
 
+    def record_note(self, *, role: str, what: str, detail: str) -> None:
+        """Record a note about the run that is not a release (the audit lists it): a forced
+        resume with a changed config, a torn line repaired."""
+        record = _note_record(role=role, what=what, detail=detail[:4000], time=_time.time())
+        self._append({"schema": SCHEMA_VERSION, **record})
+        self._events.append(record)
+
     @property
     def events(self) -> list[LedgerEvent | dict[str, Any]]:
         """Every event of this ledger (read at open, plus those recorded since), in order."""
@@ -380,9 +431,155 @@ class PrivacyLedger:
                     break
                 hint = (
                     " (the last line has no newline: probably a write torn by a crash; "
-                    "read with tolerate_torn_tail=True to drop it)"
+                    "`--resume` repairs it, or read with tolerate_torn_tail=True to drop it)"
                     if is_tail
                     else ""
                 )
                 raise LedgerError(f"{path}: line {number} is corrupt: {exc}{hint}") from exc
         return events
+
+
+# ------------------------------------------------------------------------------ torn lines
+
+# the fields an accountant needs from a DP event (`LedgerEvent.history_entry`, delta, who)
+_ACCOUNTED = ("role", "mechanism", "noise_multiplier", "clip", "sample_rate", "steps", "delta")
+
+
+@dataclass(frozen=True)
+class TornTail:
+    """What `repair_torn_tail` found and did: ``size`` bytes after the last newline, kept in
+    ``quarantine``; ``counted`` is the DP event recovered from them and re-recorded (None when
+    the line was cut before its accounting fields, or was not a DP event)."""
+
+    size: int
+    quarantine: Path
+    counted: LedgerEvent | None
+    note: str
+
+
+def _salvage(fragment: bytes) -> dict[str, Any] | None:
+    """The longest prefix of a torn JSON object that parses once closed, or None."""
+    text = fragment.decode("utf-8", errors="replace")
+    if not text.startswith("{") or len(text) > 65536:  # an event is a few hundred bytes
+        return None
+    for cut in range(len(text) - 1, 0, -1):
+        if text[cut] != ",":
+            continue
+        try:
+            obj = json.loads(text[:cut] + "}")
+        except ValueError:
+            continue
+        return obj if isinstance(obj, dict) else None
+    return None
+
+
+def _recover_event(fragment: bytes) -> LedgerEvent | None:
+    """A DP event from a torn line whose accounting fields all survived, else None."""
+    obj = _salvage(fragment)
+    if obj is None or obj.get("schema") != SCHEMA_VERSION or obj.get("kind") != "dp":
+        return None
+    if any(k not in obj for k in _ACCOUNTED):
+        return None
+    sample_rate = obj["sample_rate"]
+    epoch = obj.get("epoch")
+    try:
+        return LedgerEvent(
+            role=obj["role"],
+            mechanism=obj["mechanism"],
+            noise_multiplier=obj["noise_multiplier"],
+            clip=obj["clip"],
+            sample_rate=sample_rate,
+            steps=obj["steps"],
+            delta=obj["delta"],
+            epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+            amplified=isinstance(sample_rate, int | float) and sample_rate < 1.0,
+            note="recovered from a torn ledger line (counted: it may have been released)",
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def _whole_line(fragment: bytes) -> bool:
+    """Whether the fragment is a complete, valid record that lost only its newline."""
+    try:
+        _parse_line(json.loads(fragment.decode("utf-8")))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def repair_torn_tail(path: Path) -> TornTail | None:
+    """Make a ledger whose last line was torn appendable again, never under-counting.
+
+    Returns None when the file is absent or ends with a newline. Otherwise, under an exclusive
+    lock (roles resuming together repair it once), the bytes after the last newline are kept in
+    ``<ledger>.torn`` and:
+
+    - a complete, valid record that lost only its newline is kept as it is (newline added);
+    - a DP event cut after its accounting fields (role, mechanism, sigma, clip, sample rate,
+      steps, delta) is re-recorded whole: counted, since over-counting is safe and
+      under-counting is not;
+    - anything else is cut. `PrivacyLedger` writes and fsyncs an event before the mechanism
+      releases anything, so a line that is not whole on disk belongs to a write that never
+      returned, whose release never left the role.
+
+    A ``note`` line then says what was done (the audit lists it). A corrupt line before the last
+    one is not repaired: opening the ledger keeps refusing it (`LedgerError`, naming the line).
+    """
+    import fcntl
+
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size else b""
+        if not data or data.endswith(b"\n"):
+            return None
+        keep = data.rfind(b"\n") + 1
+        fragment = data[keep:]
+        quarantine = path.with_name(path.name + TORN_SUFFIX)
+        with open(quarantine, "ab") as q:
+            q.write(fragment + b"\n")
+            q.flush()
+            os.fsync(q.fileno())
+        event = None
+        lines = b""
+        if _whole_line(fragment):
+            keep, lines = len(data), b"\n"
+            what = "kept: it was a whole record that lost only its newline"
+        elif (event := _recover_event(fragment)) is not None:
+            lines = _line(event.to_json())
+            what = (
+                f"counted as {event.role}/{event.mechanism} ({event.steps} step(s), sigma "
+                f"{event.noise_multiplier:g}): its accounting fields survived, and it may have "
+                "been released"
+            )
+        else:
+            what = (
+                "not counted: cut before its accounting fields (or not a DP event); an event is "
+                "fsynced before its release, so a torn one was never released"
+            )
+        note = f"torn last line of {len(fragment)} bytes (copied to {quarantine.name}) {what}"
+        lines += _line(
+            {
+                "schema": SCHEMA_VERSION,
+                **_note_record(
+                    role="ledger", what="torn line repaired", detail=note, time=_time.time()
+                ),
+            }
+        )
+        os.ftruncate(fd, keep)
+        os.pwrite(fd, lines, keep)
+        os.fsync(fd)
+        PrivacyLedger._fsync_dir(path.parent)
+        return TornTail(size=len(fragment), quarantine=quarantine, counted=event, note=note)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _line(record: dict[str, Any]) -> bytes:
+    return (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()

@@ -98,7 +98,18 @@ class NoiseSource:
     def __init__(self, *, seed: int | None = None) -> None:
         self.private = seed is None
         entropy = secrets.randbits(256) if seed is None else int(seed)
+        self._seed = None if seed is None else int(seed)
+        self._epoch: int | None = None
         self._rng = np.random.Generator(np.random.PCG64DXSM(entropy))
+
+    def at_epoch(self, epoch: int) -> None:
+        """A seeded source draws each epoch's noise from its own stream, (seed, epoch), so a
+        run resumed from a checkpoint draws the noise an uninterrupted run would have drawn. A
+        private (CSPRNG) source ignores this: a resumed run draws fresh noise."""
+        if self._seed is None or epoch == self._epoch:
+            return
+        self._epoch = int(epoch)
+        self._rng = np.random.Generator(np.random.PCG64DXSM([self._seed, 0x5EED, int(epoch)]))
 
     def normal(self, shape: tuple[int, ...], std: float) -> np.ndarray:
         return self._rng.normal(0.0, std, size=shape)

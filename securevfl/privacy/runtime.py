@@ -45,6 +45,7 @@ from securevfl.privacy.mechanisms import (
     EmbeddingDP,
     LabelGradientDP,
     Mechanism,
+    NoiseSource,
     ReleaseMechanism,
 )
 
@@ -494,6 +495,8 @@ class RowReleases:
         if ids is None:
             self._anonymous_rows[epoch] = self._anonymous_rows.get(epoch, 0) + rows
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in values.items()}
+        if isinstance(self.mechanism.generator, NoiseSource):
+            self.mechanism.generator.at_epoch(epoch)  # seeded noise: resumable per epoch
         with torch.no_grad():
             noised = self.mechanism.apply(tensors)
         return {

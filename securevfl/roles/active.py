@@ -47,7 +47,7 @@ def run_active(
 
     started = time.perf_counter()
     if table is None:
-        table = load_active_table(data_path, cfg)
+        table = load_active_table(data_path, cfg, cache_dir=run_dir / "cache")
     spec = method_spec(cfg.method)
     train_ids, test_ids = train_test_split(
         table.ids,

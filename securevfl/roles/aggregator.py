@@ -16,6 +16,7 @@ from securevfl.roles import protocol as P
 from securevfl.roles.rounds import AggregatorRound, tolerates_dropout
 from securevfl.secure_sum import ContributionError
 from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout, TransportError
+from transport.errors import one_line, quote
 
 
 class Aggregator:
@@ -49,7 +50,9 @@ class Aggregator:
                         raise
                     continue
                 if env.sender != self.active:
-                    self.logger.warning("dropped %r from %s outside a round", env.kind, env.sender)
+                    self.logger.warning(
+                        "dropped %s from %s outside a round", quote(env.kind), env.sender
+                    )
                     continue
                 if env.kind == P.BYE:
                     self._finish(env)
@@ -57,10 +60,12 @@ class Aggregator:
                 if env.kind == P.CALL:
                     self._round(env)
                 else:
-                    self.logger.warning("dropped unexpected %r from the active party", env.kind)
+                    self.logger.warning(
+                        "dropped unexpected %s from the active party", quote(env.kind)
+                    )
         except P.RunAborted as exc:
             self.logger.error("%s", exc)
-            self._broadcast_abort(str(exc), lost=exc.lost, refused=exc.refused)
+            self._broadcast_abort(str(exc), lost=exc.lost, refused=exc.refused, budget=exc.budget)
             return exc.exit_code
 
     def _handshake(self) -> None:
@@ -86,7 +91,9 @@ class Aggregator:
                 ) from None
             nonce = env.meta.get("nonce")
             if env.kind != P.HELLO or not isinstance(nonce, str) or len(nonce) != 32:
-                self.logger.warning("dropped %r from %s during the handshake", env.kind, env.sender)
+                self.logger.warning(
+                    "dropped %s from %s during the handshake", quote(env.kind), env.sender
+                )
                 continue
             try:
                 bytes.fromhex(nonce)
@@ -125,14 +132,18 @@ class Aggregator:
                 f"nothing arrived within {timeout:.0f} s while waiting for {waiting_for}"
             ) from None
         if env.kind == P.ERROR:
+            # the reason is the peer's text: quoted, so it cannot forge log lines
             raise P.RunAborted(
-                f"{env.sender} failed: {env.meta.get('reason', 'no reason given')}",
+                f"{env.sender} failed: {one_line(str(env.meta.get('reason', 'no reason given')))}",
                 lost=env.sender,
                 refused=env.meta.get("refused") is True,
+                budget=env.meta.get("budget") is True,
             )
         return env
 
-    def _broadcast_abort(self, reason: str, *, lost: str | None, refused: bool = False) -> None:
+    def _broadcast_abort(
+        self, reason: str, *, lost: str | None, refused: bool = False, budget: bool = False
+    ) -> None:
         for role in self.hub.connected():
             if role == lost:
                 continue
@@ -143,7 +154,12 @@ class Aggregator:
                         kind=P.ABORT,
                         sender=AGGREGATOR,
                         session=self.hub.session or "",
-                        meta={"reason": reason, "lost": lost, "refused": refused},
+                        meta={
+                            "reason": reason,
+                            "lost": lost,
+                            "refused": refused,
+                            "budget": budget,
+                        },
                     ),
                 )
             except Exception as exc:  # best effort: the run is ending anyway
@@ -196,14 +212,14 @@ class Aggregator:
                 continue
             if reply.kind == P.REFUSED and reply.sender in waiting and reply.round == env.round:
                 # the round cannot complete: tell the active party who refused and why
-                reason = str(reply.meta.get("reason", "refused"))[:2000]
+                reason = one_line(str(reply.meta.get("reason", "refused")))
                 self.logger.error("round %d refused by %s: %s", env.round, reply.sender, reason)
                 self._send(self.active, self.rounds.refused(call, {reply.sender: reason}))
                 return
             if reply.kind != P.CONTRIB or reply.sender not in waiting or reply.round != env.round:
                 self.logger.warning(
-                    "dropped %r for round %d from %s during round %d",
-                    reply.kind,
+                    "dropped %s for round %d from %s during round %d",
+                    quote(reply.kind),
                     reply.round,
                     reply.sender,
                     env.round,

@@ -1,7 +1,10 @@
 """End-of-epoch checkpoints, one directory per role: RUN_DIR/checkpoints/<role>/epoch_NNNN.pt.
 
-Saved atomically (write to a temporary file, then rename) and loaded with `weights_only=True`,
-so a checkpoint file cannot run code when it is read."""
+Saved atomically and durably — written to a temporary file, fsynced, renamed over the final
+name, then the directory fsynced — so a role killed at any instant leaves either the previous
+checkpoint set or the new one, never a torn file. Loaded with `weights_only=True`, so a
+checkpoint file cannot run code when it is read; an unreadable one is a `CheckpointError`
+naming the file."""
 
 from __future__ import annotations
 
@@ -17,23 +20,42 @@ from securevfl.errors import CheckpointError
 
 KEEP = 2
 _NAME = re.compile(r"epoch_(\d{4,})\.pt$")
+# a save interrupted before its rename leaves one of these; the next save removes it
+_PARTIAL = re.compile(r"epoch_(\d{4,})\.pt\.partial$")
 
 
 def checkpoint_dir(run_dir: Path, role: str) -> Path:
     return Path(run_dir) / "checkpoints" / role
 
 
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory; the rename still happened
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(run_dir: Path, role: str, epoch: int, state: Mapping[str, Any]) -> Path:
+    """Write `role`'s checkpoint of `epoch` (temporary file, fsync, rename, fsync of the
+    directory), then drop all but the newest `KEEP`. Returns its path."""
     d = checkpoint_dir(run_dir, role)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"epoch_{epoch:04d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save(dict(state), tmp)
-    with open(tmp, "rb") as fh:
+    tmp = d / f"{path.name}.partial"
+    with open(tmp, "wb") as fh:
+        torch.save(dict(state), fh)
+        fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(d)
     for old in sorted(epochs(run_dir, role))[:-KEEP]:
         (d / f"epoch_{old:04d}.pt").unlink(missing_ok=True)
+    for p in d.iterdir():
+        if _PARTIAL.match(p.name):
+            p.unlink(missing_ok=True)
     return path
 
 
@@ -45,6 +67,8 @@ def epochs(run_dir: Path, role: str) -> list[int]:
 
 
 def load_checkpoint(run_dir: Path, role: str, epoch: int) -> dict[str, Any]:
+    """`role`'s checkpoint of `epoch`. Raises `CheckpointError` (naming the file) when it is
+    missing or cannot be read."""
     path = checkpoint_dir(run_dir, role) / f"epoch_{epoch:04d}.pt"
     if not path.exists():
         have = epochs(run_dir, role)
@@ -52,7 +76,16 @@ def load_checkpoint(run_dir: Path, role: str, epoch: int) -> dict[str, Any]:
             f"role {role!r} has no checkpoint for epoch {epoch} in {path.parent} (it has {have}); "
             "resume needs every role's run directory from the same run"
         )
-    return torch.load(path, weights_only=True)
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # a truncated zip, a foreign pickle: never load it half-way
+        raise CheckpointError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not a checkpoint this "
+            "version wrote whole. Remove it to resume from the one before"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a checkpoint (a {type(state).__name__})")
+    return state
 
 
 def latest_epoch(run_dir: Path, role: str) -> int | None:

@@ -6,13 +6,31 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from securevfl.config import RunConfig
-from securevfl.keys import AGGREGATOR, FederationPublicKeys, RoleSecrets, load_public, load_secrets
+from securevfl.errors import KeyMaterialError
+from securevfl.keys import (
+    AGGREGATOR,
+    FederationPublicKeys,
+    RoleSecrets,
+    check_pair,
+    load_public,
+    load_secrets,
+)
 from securevfl.roles import protocol as P
-from transport import Envelope, HandshakeFailed, KeyRefused, Peer, PeerLost, ReceiveTimeout
+from transport import (
+    Envelope,
+    HandshakeFailed,
+    KeyRefused,
+    Peer,
+    PeerLost,
+    ReceiveTimeout,
+    TransportError,
+)
+from transport.errors import one_line
 
 
 class RoleConnection:
@@ -50,11 +68,7 @@ class RoleConnection:
     ) -> RoleConnection:
         public = load_public(keys_dir)
         secrets = load_secrets(keys_dir, name)
-        if public.curve.get(name) != secrets.curve.public:
-            raise ValueError(
-                f"the secret key file of {name!r} does not match public.json; both must come "
-                "from the same `securevfl keys` run"
-            )
+        check_pair(public, secrets, keys_dir)
         peer = Peer(
             name=name,
             connect=address,
@@ -107,27 +121,32 @@ class RoleConnection:
             ) from None
         except HandshakeFailed as exc:
             raise self._wrong_hub(exc) from None
-        except KeyRefused:
-            raise self._refused() from None
+        except KeyRefused as exc:
+            raise self._refused(exc) from None
         except ReceiveTimeout:
             raise P.RunAborted(
                 f"nothing arrived within {timeout:.0f} s while waiting for {waiting_for}; "
                 "check that every role is running and reachable, or raise [network] timeouts"
             ) from None
-        if env.kind == P.ABORT:
-            lost = env.meta.get("lost")
-            raise P.RunAborted(
-                env.meta.get("reason", f"the run was aborted ({lost} lost)"),
-                lost=lost,
-                refused=env.meta.get("refused") is True,
-            )
-        if env.kind == P.ERROR:
-            raise P.RunAborted(
-                env.meta.get("reason", "a role failed"),
-                lost=env.meta.get("role"),
-                refused=env.meta.get("refused") is True,
-            )
+        if env.kind in (P.ABORT, P.ERROR):
+            raise self._stopped(env)
         return env
+
+    def _stopped(self, env: Envelope) -> P.RunAborted:
+        """The stop an ABORT or ERROR message announces. Its fields come from a peer: the
+        reason is escaped and bounded, a lost role must be a role of this federation."""
+        meta = env.meta
+        lost = meta.get("lost") if env.kind == P.ABORT else meta.get("role")
+        if lost is not None and lost not in (AGGREGATOR, *self.cfg.role_names):
+            lost = AGGREGATOR  # a name no role has: blame the sender
+        default = f"the run was aborted ({lost} lost)" if lost else "a role failed"
+        reason = meta.get("reason")
+        return P.RunAborted(
+            one_line(reason) if isinstance(reason, str) else default,
+            lost=lost,
+            refused=meta.get("refused") is True,
+            budget=meta.get("budget") is True,
+        )
 
     def send(self, env: Envelope) -> None:
         env.sender = self.name
@@ -135,19 +154,35 @@ class RoleConnection:
             self.peer.send(env)
         except HandshakeFailed as exc:
             raise self._wrong_hub(exc) from None
-        except KeyRefused:
-            raise self._refused() from None
+        except KeyRefused as exc:
+            raise self._refused(exc) from None
+        except TransportError as exc:
+            raise self._send_failed(exc) from None
 
-    def _wrong_hub(self, exc: Exception) -> P.RunAborted:
+    def _send_failed(self, exc: Exception) -> P.RunAborted:
+        """The aggregator did not take a message: usually it stopped the run a moment earlier
+        (a budget stop, a refusal, a lost role) and its ABORT is already waiting here. End with
+        that stop's cause when it is; otherwise the aggregator is lost."""
+        deadline = time.monotonic() + 2.0
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                env = self.peer.recv(timeout=left)
+            except TransportError:
+                break
+            if env.kind in (P.ABORT, P.ERROR):
+                return self._stopped(env)
         return P.RunAborted(
-            f"{self.name!r} could not complete the CURVE handshake with the aggregator: {exc}; "
-            "check [network] aggregator_address and that this role holds this federation's "
-            "public keys (`securevfl keys`), not another run's"
+            f"lost the aggregator ({one_line(str(exc))}); restart the federation with --resume",
+            lost=AGGREGATOR,
         )
 
-    def _refused(self) -> P.RunAborted:
-        return P.RunAborted(
-            f"the aggregator refused the CURVE key of {self.name!r}: it is not in the "
+    # a refused or mismatched key is bad input (exit status 2), said at once, not after a timeout
+    def _wrong_hub(self, exc: Exception) -> KeyMaterialError:
+        return KeyMaterialError(str(exc))  # the transport names the key, its fingerprint, the fix
+
+    def _refused(self, exc: Exception) -> KeyMaterialError:
+        return KeyMaterialError(
+            f"the aggregator refused the CURVE key of {self.name!r} ({exc}): it is not in the "
             "federation's allowlist; use this role's key from the federation's keys "
             "directory (`securevfl keys`), or ask the operator to add it"
         )

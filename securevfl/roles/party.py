@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from securevfl.config import RunConfig
-from securevfl.errors import PolicyRefusal
+from securevfl.errors import BudgetExceeded, KeyMaterialError, PolicyRefusal
 from securevfl.methods import method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.rounds import PartyRound
 from transport import Envelope
+from transport.errors import quote
 
 
 class PassiveParty:
@@ -76,7 +77,7 @@ class PassiveParty:
                 )
                 return stats
             if env.kind != P.CALL:
-                self.logger.warning("ignored unexpected %r message", env.kind)
+                self.logger.warning("ignored unexpected %s message", quote(env.kind))
                 continue
             if env.round <= self.last_round:  # a replay, or a call from before a restart
                 self._refused(
@@ -136,7 +137,10 @@ def run_party(
 
     if table is None:
         encoding = saved_encoding(run_dir, name) if scoring else None
-        table = load_party_table(data_path, cfg, name, encoding=encoding)
+        # a large file streams into a row cache of this role's own in its run directory
+        table = load_party_table(
+            data_path, cfg, name, encoding=encoding, cache_dir=run_dir / "cache"
+        )
     logger.info(
         "party %s (pid %d): %d rows, columns %s", name, os.getpid(), len(table), list(table.columns)
     )
@@ -171,6 +175,8 @@ def run_party(
 
 def report_failure(conn: RoleConnection, exc: BaseException) -> None:
     """Tell the aggregator (and so everyone) that this role failed and why, best effort."""
+    if isinstance(exc, KeyMaterialError):  # the hub refused this role's keys: it cannot hear us
+        return
     try:
         conn.send(
             Envelope(
@@ -181,6 +187,7 @@ def report_failure(conn: RoleConnection, exc: BaseException) -> None:
                     "reason": f"{type(exc).__name__}: {exc}",
                     "role": conn.name,
                     "refused": isinstance(exc, PolicyRefusal),
+                    "budget": isinstance(exc, BudgetExceeded),
                 },
             )
         )

@@ -53,6 +53,11 @@ def session_id(nonces: Mapping[str, str]) -> str:
     return h.hexdigest()[:32]
 
 
+# `logger.error(..., extra=FILE_ONLY)`: into the role's log file, not onto stderr (the command
+# prints its own one line there)
+FILE_ONLY = {"file_only": True}
+
+
 def role_logger(role: str, run_dir: Path | None) -> logging.Logger:
     """A logger writing everything to RUN_DIR/logs/<role>.log and warnings to stderr."""
     logger = logging.getLogger(f"securevfl.{role}")
@@ -70,6 +75,7 @@ def role_logger(role: str, run_dir: Path | None) -> logging.Logger:
     sh = logging.StreamHandler(sys.stderr)
     sh.setLevel(logging.WARNING)
     sh.setFormatter(fmt)
+    sh.addFilter(lambda record: not getattr(record, "file_only", False))
     logger.addHandler(sh)
     # the transport logs rejections under its own logger names: keep them in the role's log
     for name in ("transport", "zmq.auth"):

@@ -26,7 +26,7 @@ from securevfl.config import RunConfig
 from securevfl.errors import RunAborted
 from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
-from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
+from securevfl.roles.checkpoint import epochs, load_checkpoint, save_checkpoint
 from securevfl.secure_sum import (
     ContributionError,
     GroupTooSmall,
@@ -36,6 +36,7 @@ from securevfl.secure_sum import (
     ckks_context_tag,
 )
 from transport import Envelope
+from transport.errors import quote
 
 Exchange = Callable[[Envelope], Envelope]
 
@@ -161,6 +162,9 @@ class PartyRound:
         self.privacy: Any = None
         self.received: Any = None
         self._single_sums: set[tuple[str, str, int]] = set()
+        # the run's own state that checkpoint calls are held to (see `_epoch_of`)
+        self.committed_epoch = -1
+        self.calls_since_commit = 0
         # what a caller may watch (the direct path's test kit): (spec, the released value)
         self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
 
@@ -186,6 +190,7 @@ class PartyRound:
             tensors = self._checkpoint(call)
         else:
             tensors, shapes = self._operation(call)
+            self.calls_since_commit += 1
         self.guard.after(call)
         return self._reply(call, tensors, shapes)
 
@@ -203,7 +208,7 @@ class PartyRound:
         from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
 
         inputs = call.inputs
-        resume_epoch = int(call.args.get("resume_epoch", -1))
+        resume_epoch = self._resume_epoch_of(call)
         scoring = bool(call.args.get("predict", False))
         saved = (
             load_checkpoint(self.run_dir, self.name, resume_epoch) if resume_epoch >= 0 else None
@@ -255,18 +260,51 @@ class PartyRound:
             self.method.load_state_dict(state["method"])
             self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
         self.privacy.epoch = resume_epoch + 1
+        self.committed_epoch, self.calls_since_commit = resume_epoch, 0
         # which of the active party's rows this party holds (what a PSI would tell it)
         return {f"present@{self.name}": self.method.table.has(inputs["all_ids"])}
 
     def _checkpoint(self, call: Call) -> dict[str, np.ndarray]:
-        epoch = int(call.args["epoch"])
+        epoch = self._epoch_of(call)
         # the encoding travels with the model: scoring new rows needs the same mapping
         state = {"method": self.method.state_dict(), "encoding": self.method.table.encoding_state()}
         save_checkpoint(self.run_dir, self.name, epoch, state)
         self.privacy.epoch = epoch + 1
+        self.committed_epoch, self.calls_since_commit = epoch, 0
         if self.received is not None:
             self.received.save()
         return {}
+
+    def _epoch_of(self, call: Call) -> int:
+        """The epoch a checkpoint call names, held to this party's own state before any file is
+        written or pruned (the newest two are kept, so an epoch far ahead would delete the real
+        ones): not before the last committed epoch (the same one again is a retry), and not
+        further ahead than one epoch per call served since then, plus one."""
+        epoch = call.args.get("epoch")
+        low = self.committed_epoch
+        high = self.committed_epoch + 1 + self.calls_since_commit
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not low <= epoch <= high:
+            raise self.guard.refuse(
+                "checkpoint epoch",
+                f"a checkpoint of epoch {quote(epoch)}: this party committed epoch {low} and "
+                f"served {self.calls_since_commit} calls since, so it accepts epochs "
+                f"{max(low, 0)}..{high}; nothing was written",
+            )
+        return epoch
+
+    def _resume_epoch_of(self, call: Call) -> int:
+        """The epoch set-up resumes from: -1 (a fresh start) or one this party has a
+        checkpoint of; nothing else reaches a file name."""
+        resume = call.args.get("resume_epoch", -1)
+        have = epochs(self.run_dir, self.name)
+        ok = isinstance(resume, int) and not isinstance(resume, bool)
+        if not ok or (resume != -1 and resume not in have):
+            raise self.guard.refuse(
+                "resume epoch",
+                f"set-up resumes from epoch {quote(resume)}, but this party has checkpoints of "
+                f"epochs {have[-5:]}; resume every role from the same run directory",
+            )
+        return resume
 
     def _check_context_tag(self, context: bytes, tags: Mapping[str, str]) -> None:
         active = self.cfg.active_name

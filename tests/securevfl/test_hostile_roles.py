@@ -448,3 +448,51 @@ def test_a_forged_loss_notice_makes_the_honest_active_party_isolate_nobody(tmp_p
     later = [c for c in fed.calls if c[0] == "forward" and "p1" in c[1]]
     assert all(i <= fed.forged_at for i, c in enumerate(fed.calls, 1) if c in later)
     assert metrics["n_eval"] > 0
+
+
+def test_a_checkpoint_of_an_epoch_the_run_never_reached_is_refused_and_deletes_nothing(attacker):
+    """A checkpoint call names the epoch the file is saved as, and saving prunes all but the
+    newest two: an epoch far ahead would stand as the newest and delete the real ones. Each
+    party holds the number to its own state (not before its last commit, at most one epoch
+    per call served since, plus one) before it touches a file."""
+    from securevfl.roles.checkpoint import epochs
+
+    none = np.empty(0, dtype=np.int64)
+    first = attacker.call("checkpoint", ids=none, args={"epoch": 0})
+    assert all(r.kind == P.CONTRIB for r in first.values()), first
+    for hostile in (10**9, 2, -3, "1", 1.0, True, None):
+        refused(attacker.call("checkpoint", ids=none, args={"epoch": hostile}), "checkpoint epoch")
+    for p in PARTIES:
+        assert epochs(attacker.run_dir, p) == [0]
+    following = attacker.call("checkpoint", ids=none, args={"epoch": 1})
+    assert all(r.kind == P.CONTRIB for r in following.values()), following
+    for p in PARTIES:
+        assert epochs(attacker.run_dir, p) == [0, 1]
+    log = (attacker.run_dir / "logs" / "p1.log").read_text()
+    assert "a checkpoint of epoch 1000000000" in log and "nothing was written" in log
+
+
+def test_an_abort_reason_from_the_hub_cannot_forge_log_lines(attacker):
+    """The parties stop on an abort; its reason and lost role are the hub's text: they reach
+    the party's log and stderr escaped (one line) and bounded. (Run last: the parties end.)"""
+    forged = "2030-01-01 00:00:00,000 p1 INFO forged line"
+    reason = f"stopping\n{forged}\x1b[2J" + "A" * 5000
+    for p in PARTIES:
+        attacker.hub.send(
+            p,
+            Envelope(
+                kind=P.ABORT,
+                sender="aggregator",
+                session=attacker.hub.session,
+                meta={"reason": reason, "lost": "p9\nforged", "refused": False},
+            ),
+        )
+    for p in PARTIES:
+        assert attacker.procs[p].wait(timeout=60) == P.EXIT_PEER_LOST
+    err = attacker.procs["p1"].stderr.read()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("securevfl p1: stopping\\n2030") and "\x1b" not in err, last
+    assert len(last) < 1200
+    log = (attacker.run_dir / "logs" / "p1.log").read_text()
+    assert "stopping\\n" in log
+    assert not [line for line in log.splitlines() if line.startswith(forged)]

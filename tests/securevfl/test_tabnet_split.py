@@ -1,5 +1,6 @@
-"""TabVFL model pieces: reference behaviour of pytorch-tabnet, split == unsplit, what crosses,
-and a quick latent-quality check against LT on a cross-guest XOR table."""
+"""TabVFL model pieces (securevfl/methods/tabvfl/): reference behaviour of pytorch-tabnet,
+split == unsplit, what crosses, and a quick latent-quality check against LT on a cross-guest
+XOR table."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from securevfl.data.synthetic_tables import SyntheticTable, cross_guest_xor, stratified_split
-from securevfl.methods import tabnet_split as ts
+from securevfl.methods.tabvfl import baselines, evaluation, reference, sparse, split, tabnet
 
 REF_REASON = "pytorch-tabnet 4.1.0 not installed: reference comparisons need it"
 
@@ -38,7 +39,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-SMALL = ts.TabNetConfig(
+SMALL = tabnet.TabNetConfig(
     n_d=4,
     n_a=3,
     n_steps=3,
@@ -51,7 +52,7 @@ SMALL = ts.TabNetConfig(
 )
 
 
-def _ref_pretrainer(tab_network, d: int, cfg: ts.TabNetConfig):
+def _ref_pretrainer(tab_network, d: int, cfg: tabnet.TabNetConfig):
     # pytorch-tabnet initialises from the global RNG: fork it so the test leaves it untouched
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -80,9 +81,9 @@ def _ref_pretrainer(tab_network, d: int, cfg: ts.TabNetConfig):
 
 @pytest.mark.parametrize("name", ["sparsemax", "entmax15"])
 def test_sparse_maps_match_pytorch_tabnet(name: str) -> None:
-    _, _, sparse = _ref_modules()
-    ours_fn = getattr(ts, name)
-    ref_fn = getattr(sparse, name)
+    _, _, ref_sparse = _ref_modules()
+    ours_fn = getattr(sparse, name)
+    ref_fn = getattr(ref_sparse, name)
     g = _gen(1)
     z = torch.randn(64, 9, generator=g, dtype=torch.float64) * 2
     w = torch.randn(64, 9, generator=g, dtype=torch.float64)
@@ -99,7 +100,7 @@ def test_sparse_maps_match_pytorch_tabnet(name: str) -> None:
     assert torch.equal(za.detach(), z)  # ours leaves its input alone
 
 
-@pytest.mark.parametrize("fn", [ts.sparsemax, ts.entmax15])
+@pytest.mark.parametrize("fn", [sparse.sparsemax, sparse.entmax15])
 def test_sparse_maps_gradcheck(fn) -> None:
     z = torch.randn(6, 5, generator=_gen(2), dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(fn, (z,))
@@ -114,11 +115,11 @@ def test_unsupervised_loss_matches_pytorch_tabnet() -> None:
     x_hat = torch.randn(32, 6, generator=g)
     obf = torch.bernoulli(torch.full((32, 6), 0.5), generator=g)
     obf[0] = 0.0  # a row with nothing hidden contributes 0
-    ours = ts.unsupervised_loss(x_hat, x, obf, 1e-9)
+    ours = tabnet.unsupervised_loss(x_hat, x, obf, 1e-9)
     ref = metrics.UnsupervisedLoss(x_hat, x.clone(), obf, 1e-9)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
     with pytest.raises(ValueError):
-        ts.unsupervised_loss(x_hat[:1], x[:1], obf[:1])
+        tabnet.unsupervised_loss(x_hat[:1], x[:1], obf[:1])
 
 
 def test_partial_encoder_matches_tabnet_encoder() -> None:
@@ -126,8 +127,8 @@ def test_partial_encoder_matches_tabnet_encoder() -> None:
     tab_network, _, _ = _ref_modules()
     d = 9
     ref = _ref_pretrainer(tab_network, d, SMALL).encoder
-    ours = ts.PartialEncoder(d, SMALL, generator=_gen(4))
-    ours.load_state_dict(ts.state_from_pytorch_tabnet(ref.state_dict()), strict=True)
+    ours = tabnet.PartialEncoder(d, SMALL, generator=_gen(4))
+    ours.load_state_dict(tabnet.state_from_pytorch_tabnet(ref.state_dict()), strict=True)
     x = torch.randn(40, d, generator=_gen(5))
     prior = torch.bernoulli(torch.full((40, d), 0.7), generator=_gen(6))
     xa = x.clone().requires_grad_(True)
@@ -147,14 +148,14 @@ def test_partial_encoder_matches_tabnet_encoder() -> None:
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6)
 
 
-def _tabvfl_from_pytorch_tabnet(ref, guest_dims, cfg) -> ts.TabVFLReference:
+def _tabvfl_from_pytorch_tabnet(ref, guest_dims, cfg) -> reference.TabVFLReference:
     """A TabVFL whose split equals the reference TabNet: identity privacy FCs, the reference
     encoder/decoder at the host, and the reference's reconstruction layer made block-diagonal
     (guest k reconstructs its columns from its m_k slice) and cut across the guests."""
-    model = ts.TabVFLReference(guest_dims, 2, cfg, seed=11)
-    model.host.encoder.load_state_dict(ts.state_from_pytorch_tabnet(ref.encoder.state_dict()))
-    model.host.decoder.load_state_dict(ts.state_from_pytorch_tabnet(ref.decoder.state_dict()))
-    slices = ts.decoder_slices(cfg.n_d, len(guest_dims))
+    model = reference.TabVFLReference(guest_dims, 2, cfg, seed=11)
+    model.host.encoder.load_state_dict(tabnet.state_from_pytorch_tabnet(ref.encoder.state_dict()))
+    model.host.decoder.load_state_dict(tabnet.state_from_pytorch_tabnet(ref.decoder.state_dict()))
+    slices = tabnet.decoder_slices(cfg.n_d, len(guest_dims))
     block = torch.zeros(sum(guest_dims), cfg.n_d)
     row = col = 0
     with torch.no_grad():
@@ -200,10 +201,10 @@ def test_central_tabnet_loss_equals_pytorch_tabnet_pretrainer() -> None:
     tab_network, metrics, _ = _ref_modules()
     d = 8
     ref = _ref_pretrainer(tab_network, d, SMALL)
-    ct = ts.central_tabnet(d, 3, SMALL, seed=1)
+    ct = baselines.central_tabnet(d, 3, SMALL, seed=1)
     auto = ct.locals[0]
-    auto.encoder.load_state_dict(ts.state_from_pytorch_tabnet(ref.encoder.state_dict()))
-    auto.decoder.load_state_dict(ts.state_from_pytorch_tabnet(ref.decoder.state_dict()))
+    auto.encoder.load_state_dict(tabnet.state_from_pytorch_tabnet(ref.encoder.state_dict()))
+    auto.decoder.load_state_dict(tabnet.state_from_pytorch_tabnet(ref.decoder.state_dict()))
     with torch.no_grad():
         auto.reconstruction_layer.weight.copy_(ref.decoder.reconstruction_layer.weight)
     auto.initial_bn.load_state_dict(ref.encoder.initial_bn.state_dict())
@@ -240,9 +241,9 @@ def test_pretrain_split_equals_unsplit(dims) -> None:
     """The message-passing step (each party on detached copies of what it received) leaves the
     same loss, gradients and BN statistics as one autograd graph; the guests draw the masks
     from their own seeded generators, so two models with one seed draw the same masks."""
-    cfg = ts.TabNetConfig(n_d=5, n_a=3, n_steps=3, virtual_batch_size=16)
-    joint = ts.TabVFLReference(dims, 3, cfg, seed=5)
-    split = ts.TabVFLReference(dims, 3, cfg, seed=5)
+    cfg = tabnet.TabNetConfig(n_d=5, n_a=3, n_steps=3, virtual_batch_size=16)
+    joint = reference.TabVFLReference(dims, 3, cfg, seed=5)
+    split = reference.TabVFLReference(dims, 3, cfg, seed=5)
     xs = _blocks(dims, 40, 12)
     loss_joint = joint.pretrain_loss(xs)
     loss_joint.backward()
@@ -254,9 +255,9 @@ def test_pretrain_split_equals_unsplit(dims) -> None:
 
 @pytest.mark.parametrize("dims", [(3, 5), (4, 2, 6)])
 def test_finetune_split_equals_unsplit(dims) -> None:
-    cfg = ts.TabNetConfig(n_d=5, n_a=3, n_steps=3, virtual_batch_size=16)
-    joint = ts.TabVFLReference(dims, 3, cfg, seed=6)
-    split = ts.TabVFLReference(dims, 3, cfg, seed=6)
+    cfg = tabnet.TabNetConfig(n_d=5, n_a=3, n_steps=3, virtual_batch_size=16)
+    joint = reference.TabVFLReference(dims, 3, cfg, seed=6)
+    split = reference.TabVFLReference(dims, 3, cfg, seed=6)
     xs = _blocks(dims, 40, 13)
     y = torch.randint(0, 3, (40,), generator=_gen(14))
     loss_joint = joint.finetune_loss(xs, y)
@@ -272,8 +273,8 @@ def test_finetune_split_equals_unsplit(dims) -> None:
 def test_split_training_steps_track_unsplit() -> None:
     """A few Adam steps taken from split gradients keep the model equal to the unsplit one."""
     dims = (3, 4)
-    cfg = ts.TabNetConfig(n_d=4, n_a=2, n_steps=2)
-    joint = ts.TabVFLReference(dims, 2, cfg, seed=7)
+    cfg = tabnet.TabNetConfig(n_d=4, n_a=2, n_steps=2)
+    joint = reference.TabVFLReference(dims, 2, cfg, seed=7)
     split = copy.deepcopy(joint)
     opt_j = torch.optim.Adam(joint.pretrain_parameters(), lr=1e-2)
     opt_s = torch.optim.Adam(split.pretrain_parameters(), lr=1e-2)
@@ -294,14 +295,14 @@ def test_split_training_steps_track_unsplit() -> None:
 # what crosses
 
 
-def _shape_table(messages: list[ts.Message]) -> list[tuple]:
+def _shape_table(messages: list[split.Message]) -> list[tuple]:
     return [
         (m.phase, m.direction, m.name, m.sender, m.receiver, m.guest, tuple(m.tensor.shape))
         for m in messages
     ]
 
 
-def _spec_table(spec: list[ts.Crossing], rows: int) -> list[tuple]:
+def _spec_table(spec: list[split.Crossing], rows: int) -> list[tuple]:
     return [
         (c.phase, c.direction, c.name, c.sender, c.receiver, c.guest, (rows, c.width))
         if c.per_batch == 0
@@ -312,16 +313,16 @@ def _spec_table(spec: list[ts.Crossing], rows: int) -> list[tuple]:
 
 def test_crossing_tensors_match_spec() -> None:
     dims, n_d, rows = (4, 3, 6), 7, 24
-    cfg = ts.TabNetConfig(n_d=n_d, n_a=2, n_steps=2)
-    model = ts.TabVFLReference(dims, 2, cfg, seed=8)
+    cfg = tabnet.TabNetConfig(n_d=n_d, n_a=2, n_steps=2)
+    model = reference.TabVFLReference(dims, 2, cfg, seed=8)
     xs = _blocks(dims, rows, 15)
     _, pre = model.pretrain_step_split(xs)
-    spec = ts.crossing_spec("pretrain", dims, n_d)
+    spec = split.crossing_spec("pretrain", dims, n_d)
     assert _shape_table(pre) == _spec_table(spec, rows)
     big_d = sum(dims)
-    assert ts.crossing_floats(spec, rows, "forward") == (2 * big_d + n_d) * rows + len(dims)
-    assert ts.crossing_floats(spec, rows, "backward") == (big_d + n_d) * rows
-    assert sum(m.tensor.numel() for m in pre) == ts.crossing_floats(spec, rows)
+    assert split.crossing_floats(spec, rows, "forward") == (2 * big_d + n_d) * rows + len(dims)
+    assert split.crossing_floats(spec, rows, "backward") == (big_d + n_d) * rows
+    assert sum(m.tensor.numel() for m in pre) == split.crossing_floats(spec, rows)
     # the prior is the guest's binary mask (1 = visible); r slices are m_k = (3, 2, 2) wide
     for m in pre:
         if m.name == "prior":
@@ -330,34 +331,34 @@ def test_crossing_tensors_match_spec() -> None:
 
     y = torch.randint(0, 2, (rows,), generator=_gen(16))
     _, ft = model.finetune_step_split(xs, y)
-    spec_ft = ts.crossing_spec("finetune", dims, n_d)
+    spec_ft = split.crossing_spec("finetune", dims, n_d)
     assert _shape_table(ft) == _spec_table(spec_ft, rows)
-    assert ts.crossing_floats(spec_ft, rows, "forward") == big_d * rows
-    assert ts.crossing_floats(spec_ft, rows, "backward") == big_d * rows
-    assert ts.crossing_floats(ts.crossing_spec("encode", dims, n_d), rows) == big_d * rows
+    assert split.crossing_floats(spec_ft, rows, "forward") == big_d * rows
+    assert split.crossing_floats(spec_ft, rows, "backward") == big_d * rows
+    assert split.crossing_floats(split.crossing_spec("encode", dims, n_d), rows) == big_d * rows
 
 
 def test_crossing_counts_match_paper_table_v() -> None:
     """Rice MSC (D = 106 over 5 guests, n_d = 5): 217 floats per row forward in pretraining,
     106 in fine-tuning (the paper's Table V network figures scale as 217 : 106)."""
     dims = (22, 21, 21, 21, 21)
-    pre = ts.crossing_spec("pretrain", dims, 5)
+    pre = split.crossing_spec("pretrain", dims, 5)
     assert sum(c.width for c in pre if c.direction == "forward") == 217
     assert sum(c.per_batch for c in pre) == 5
-    ft = ts.crossing_spec("finetune", dims, 5)
+    ft = split.crossing_spec("finetune", dims, 5)
     assert sum(c.width for c in ft if c.direction == "forward") == 106
     with pytest.raises(ValueError):
-        ts.crossing_spec("train", dims, 5)  # type: ignore[arg-type]
+        split.crossing_spec("train", dims, 5)  # type: ignore[arg-type]
 
 
 def test_decoder_slices_and_refusals() -> None:
-    assert ts.decoder_slices(5, 5) == (1, 1, 1, 1, 1)
-    assert ts.decoder_slices(7, 5) == (2, 2, 1, 1, 1)
+    assert tabnet.decoder_slices(5, 5) == (1, 1, 1, 1, 1)
+    assert tabnet.decoder_slices(7, 5) == (2, 2, 1, 1, 1)
     with pytest.raises(ValueError):
-        ts.decoder_slices(3, 4)
+        tabnet.decoder_slices(3, 4)
     with pytest.raises(ValueError):
-        ts.TabVFLReference((2, 2, 2), 2, ts.TabNetConfig(n_d=2))
-    model = ts.TabVFLReference((2, 3), 2, ts.TabNetConfig(n_d=4, n_a=2, n_steps=2))
+        reference.TabVFLReference((2, 2, 2), 2, tabnet.TabNetConfig(n_d=2))
+    model = reference.TabVFLReference((2, 3), 2, tabnet.TabNetConfig(n_d=4, n_a=2, n_steps=2))
     with pytest.raises(ValueError):
         model.guests[0].embed(torch.zeros(4, 3))
     with pytest.raises(ValueError):
@@ -367,17 +368,17 @@ def test_decoder_slices_and_refusals() -> None:
 
 
 def test_guest_masks_and_latent_extraction() -> None:
-    cfg = ts.TabNetConfig(n_d=4, n_a=2, n_steps=2)
-    model = ts.TabVFLReference((3, 3), 2, cfg, seed=9)
+    cfg = tabnet.TabNetConfig(n_d=4, n_a=2, n_steps=2)
+    model = reference.TabVFLReference((3, 3), 2, cfg, seed=9)
     m1 = model.guests[0].obfuscation_mask(500)
     assert abs(float(m1.mean()) - 0.5) < 0.05
     assert not torch.equal(m1, model.guests[0].obfuscation_mask(500))  # fresh each batch
     assert not torch.equal(
-        m1, ts.TabVFLReference((3, 3), 2, cfg, seed=9).guests[1].obfuscation_mask(500)
+        m1, reference.TabVFLReference((3, 3), 2, cfg, seed=9).guests[1].obfuscation_mask(500)
     )
     xs = [np.random.default_rng(0).normal(size=(10, 3)) for _ in range(2)]
     model.train()
-    z = ts.extract_latent(model, xs)
+    z = evaluation.extract_latent(model, xs)
     assert z.shape == (10, 4) and z.dtype == np.float32 and (z >= 0).all()
     assert model.training  # restored
     # eval mode: each row's latent does not depend on the rest of its batch
@@ -428,16 +429,16 @@ def test_reference_pretrains_and_joint_latent_beats_lt() -> None:
     concatenated local latents by >= 0.10 weighted F1 (measured ~0.96 vs ~0.51)."""
     t = cross_guest_xor(2000, seed=0)
     train, _ = stratified_split(t.y, (0.7, 0.3), seed=0)
-    cfg = ts.TabNetConfig()
+    cfg = tabnet.TabNetConfig()
     scores = {}
     for name, model in [
-        ("tabvfl", ts.TabVFLReference(t.guest_dims, 2, cfg, seed=0)),
-        ("lt", ts.LocalTabNets(t.guest_dims, 2, cfg, seed=0)),
+        ("tabvfl", reference.TabVFLReference(t.guest_dims, 2, cfg, seed=0)),
+        ("lt", baselines.LocalTabNets(t.guest_dims, 2, cfg, seed=0)),
     ]:
         pre = model.fit_pretrain(t.guest_blocks(train), epochs=5, batch_size=64)
         assert pre[-1] < 0.5 * pre[0], (name, pre)
         model.fit_finetune(t.guest_blocks(train), t.y[train], epochs=30, batch_size=64)
-        z = ts.extract_latent(model, t.guest_blocks())
+        z = evaluation.extract_latent(model, t.guest_blocks())
         assert z.shape == (2000, cfg.n_d)
-        scores[name] = ts.evaluate_latent(z, t.y, seed=0)["f1"]
+        scores[name] = evaluation.evaluate_latent(z, t.y, seed=0)["f1"]
     assert scores["tabvfl"] >= scores["lt"] + 0.10, scores

@@ -312,7 +312,7 @@ def test_a_missing_response_is_refused_naming_the_label(tmp_path):
 
 def test_block_with_empty_cells_in_held_rows_names_the_column():
     values = np.array([[1.0, 2.0], [np.nan, 1.0], [np.nan, np.nan], [2.0, 0.5], [0.3, 4.0]])
-    with pytest.raises(VfemInputError, match="party 'z': column 'u' has empty cells"):
+    with pytest.raises(VfemInputError, match="party 'z': column 'u' is empty on training row 2"):
         BlockState(
             owner="party 'z'", columns=("u", "v"), values=values, intercept=True, standardize=True
         )

@@ -5,7 +5,7 @@ optimizer, feature scaling)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,18 +110,29 @@ def scaling_of(cfg: RunConfig) -> str:
     return chosen if chosen is not None else ("zscore" if cfg.standardize else "none")
 
 
-def fit_scaler(values: np.ndarray, cfg: RunConfig) -> Standardizer:
+def fit_scaler(values: np.ndarray | Mapping[str, np.ndarray], cfg: RunConfig) -> Standardizer:
     """The per-column scaling fitted on `values` (training rows): z-scores, min-max to [0, 1], or
-    none. Empty cells become 0 after scaling."""
-    scaler = Standardizer().fit(values)
+    none. Empty cells become 0 after scaling. `values` may instead be the rows' column summary
+    (`PartyTable.column_summary`: mean, std, min, max), for a table streamed from disk."""
+    if isinstance(values, Mapping):
+        scaler = Standardizer()
+        scaler.mean = np.nan_to_num(values["mean"])
+        std = np.nan_to_num(values["std"])
+        scaler.std = np.where(std > 1e-12, std, 1.0)
+    else:
+        scaler = Standardizer().fit(values)
     kind = scaling_of(cfg)
     if kind == "none":
         scaler.mean = np.zeros_like(scaler.mean)
         scaler.std = np.ones_like(scaler.std)
     elif kind == "minmax":
         with np.errstate(all="ignore"):
-            low = np.nanmin(values, axis=0) if len(values) else np.zeros(values.shape[1])
-            span = (np.nanmax(values, axis=0) if len(values) else np.ones(values.shape[1])) - low
+            if isinstance(values, Mapping):
+                low, span = values["min"], values["max"] - values["min"]
+            else:
+                d = values.shape[1]
+                low = np.nanmin(values, axis=0) if len(values) else np.zeros(d)
+                span = (np.nanmax(values, axis=0) if len(values) else np.ones(d)) - low
         scaler.mean = np.nan_to_num(low)
         scaler.std = np.where(np.nan_to_num(span) > 1e-12, np.nan_to_num(span), 1.0)
     return scaler

@@ -68,8 +68,13 @@ class BlockParty(PartyMethod):
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = np.asarray(inputs["train_ids"])
-        self.scaler = fit_scaler(self.table.rows(train_ids[self.table.has(train_ids)]), self.config)
-        self._scaled = self.scaler.transform(self.table.values)
+        held = train_ids[self.table.has(train_ids)]
+        streamed = getattr(self.table, "streamed", False)
+        # a table streamed from disk is summarised block by block and scaled batch by batch
+        self.scaler = fit_scaler(
+            self.table.column_summary(held) if streamed else self.table.rows(held), self.config
+        )
+        self._scaled = None if streamed else self.scaler.transform(self.table.values)
         self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}).to(
             self.device
         )
@@ -108,6 +113,8 @@ class BlockParty(PartyMethod):
         return [self.optimizer]
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
+        if self._scaled is None:
+            return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
         return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
 
     def handle(
@@ -183,4 +190,5 @@ class BlockParty(PartyMethod):
         for optimizer, sd in zip(self._optimizers(), saved, strict=True):
             optimizer.load_state_dict(sd)
         self.scaler.load_state_dict(state["scaler"])
-        self._scaled = self.scaler.transform(self.table.values)
+        if self._scaled is not None:
+            self._scaled = self.scaler.transform(self.table.values)

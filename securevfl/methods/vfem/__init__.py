@@ -158,8 +158,16 @@ OPERATIONS = (
         "probe_estep",
         "E-step terms at the secretly perturbed parameters",
         releases=(
-            Release("m", why="perturbed per-row predictors, summed", per_row=False),
-            Release("q", why="perturbed missing-block variances, summed", per_row=False),
+            Release(
+                "m",
+                why="per-row predictors' change under the perturbation / step, summed",
+                per_row=False,
+            ),
+            Release(
+                "q",
+                why="missing-block variances' change under the perturbation / step, summed",
+                per_row=False,
+            ),
         ),
     ),
     Operation(

@@ -11,7 +11,12 @@ from typing import Any
 import numpy as np
 
 from securevfl.methods.base import ActiveContext, ActiveMethod
-from securevfl.methods.vfem.block import BlockState, VfemDivergence, VfemInputError
+from securevfl.methods.vfem.block import (
+    BlockState,
+    VfemDivergence,
+    VfemInputError,
+    row_namer,
+)
 from securevfl.methods.vfem.federation import Design, Federation, FitOptions, OscillationTracker
 from securevfl.methods.vfem.inference import VfemInference
 from securevfl.metrics import task_metrics
@@ -77,7 +82,8 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
     def _complete_rows(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
         keep = ctx.presence(ids).all(axis=1)
         if self.table.columns:
-            keep &= ~np.isnan(self.table.rows(ids)).all(axis=1)
+            # complete: every cell of the active party's own block present too
+            keep &= ~np.isnan(self.table.rows(ids)).any(axis=1)
         return ids[keep]
 
     # -- fit ----------------------------------------------------------------------------
@@ -106,12 +112,16 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
             args={"intercept": opts.intercept, "standardize": cfg.standardize},
         )
         if use_own:
+            # the active party's own block may lack single cells (NA tokens): its missing
+            # cells are modelled by pattern, locally (no other role needs anything of them)
             self.own = BlockState(
                 owner=f"the active party ({cfg.active_name!r})",
                 columns=self.table.columns,
                 values=self.table.rows(train_ids),
                 intercept=opts.intercept,
                 standardize=cfg.standardize,
+                allow_cells=True,
+                row_name=row_namer(self.table, train_ids),
             )
             if "own" in self.progress:
                 self.own.load_state_dict(self.progress["own"])
@@ -303,6 +313,8 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
                     ctx, {"iteration": t, "sigma2": loss * self.y_scale**2, "beta_change": change}
                 )
         self.last_e = e
+        # the E-step sums at the estimate: SEM probes are sent as changes from these
+        self.last_terms = terms
         self.fit_info = {
             "design": d.kind,
             "n": n,

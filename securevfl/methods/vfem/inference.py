@@ -139,17 +139,23 @@ class VfemInference:
         ia = glob.index("alpha0") if "alpha0" in glob else None
         isg = glob.index("sigma2") if "sigma2" in glob else None
         batch = max(1, min(d_total, PROBE_FLOATS // (2 * n)))
+        # the last E-step's sums at the estimate (the intercept is added per probe below)
+        base_m = self.last_terms["m"] - (self.alpha0 if ia is not None else 0.0)
+        base_q = self.last_terms["q"]
         for start in range(0, d_total, batch):
             cols = list(range(start, min(d_total, start + batch)))
             names = ["m", "q"] if d.model_x else ["m"]
             got = fed.sums("probe_estep", ids=d.ids, names=names, args={"cols": cols})
             evals = 2 * len(cols)
-            m = got.get("m", np.zeros((evals, n)))
-            q = got.get("q", np.zeros((evals, n)))
+            dm = got.get("m", np.zeros((evals, n)))
+            dq = got.get("q", np.zeros((evals, n)))
             if own is not None:
                 mine = own.probe_estep(cols)
-                m = m + mine["m"]
-                q = q + (mine["q"] if d.model_x else 0.0)
+                dm = dm + mine["m"]
+                dq = dq + (mine["q"] if d.model_x else 0.0)
+            # each role sent (term(theta + s h v_j) - term(theta)) / h
+            m = base_m[None, :] + h * dm
+            q = base_q[None, :] + h * dq if d.model_x else np.zeros((evals, n))
             signs = np.tile([1.0, -1.0], len(cols))
             jcols = np.repeat(cols, 2)
             alpha = np.full(evals, self.alpha0)

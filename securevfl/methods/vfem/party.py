@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from securevfl.methods.base import PartyMethod, UnknownOperation
-from securevfl.methods.vfem.block import BlockState, VfemInputError
+from securevfl.methods.vfem.block import BlockState, VfemInputError, row_namer
 
 
 class BlockRegressionParty(PartyMethod):
@@ -56,12 +56,16 @@ class BlockRegressionParty(PartyMethod):
         self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         if op == "prepare":
+            ids = np.asarray(ids)
+            # a row with some of this party's cells empty is refused, naming the row: the M-step
+            # would need 1/tau_i on rows it holds (see BlockState)
             self.block = BlockState(
                 owner=f"party {self.name!r}",
                 columns=self.table.columns,
                 values=self._values(ids),
                 intercept=bool(args["intercept"]),
                 standardize=bool(args["standardize"]),
+                row_name=row_namer(self.table, ids),
             )
             self.prepared_ids = np.asarray(ids)
             if self._pending_state is not None:

@@ -1,0 +1,1457 @@
+"""`securevfl bench [--quick] [--out DIR]`: one benchmark report.
+
+Runs, side by side in one process tree, and writes DIR/report.md (tables), PNG plots, the raw
+JSON (DIR/report.json), the machine, the versions and the exact command:
+
+- **credit**: split-NN on Credit (X1..X20 in four parties of five columns), batch 256, real
+  processes (one per role, ZeroMQ + CURVE): `plain`, `mask`, `ckks` over loopback (the secure
+  vs plain overhead: epoch time, bytes, peak RSS), and `plain`/`mask` behind the WAN emulator
+  (`bench/wanproxy.py`: 10 and 50 ms RTT, 100 Mbit/s), every point interleaved with the others
+  and repeated; the epoch-time ratio to loopback and where the added time goes.
+- **scaling**: synthetic tables; epoch time, bytes and peak RSS against the number of parties
+  (2, 4, 8, 16), rows (10^4, 10^5, 10^6) and batch size (64, 256, 1024) for plain/mask/ckks,
+  and the federated-plain vs centralised single-process epoch of the same model.
+- **privacy_utility**: `bench/privacy_utility.py` (label DP: F1 and label-inference AUC).
+- **crypto**: `bench/masked_sum_curve.py` and `bench/ckks_params.py` in their quick modes.
+- **gpu**: party models on cuda vs cpu where a GPU is visible; otherwise says there is none.
+
+    python bench/report.py [--quick] [--out DIR] [--only credit,scaling,...] [--data CSV]
+
+`--quick` is a smoke-sized version (fewer points, one repeat); the full run is sized for about
+30 minutes on an idle 2-core machine. Numbers on a shared machine are noisy: ratios are taken
+between runs interleaved in the same invocation, medians over epochs and repeats, and the load
+average is recorded next to every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+for _p in (str(REPO), str(BENCH)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import fedbench as F  # noqa: E402
+
+SUITES = ("credit", "scaling", "privacy_utility", "crypto", "gpu")
+MODES = ("plain", "mask", "ckks")
+COLORS = {"plain": "#777777", "mask": "#22aa77", "ckks": "#2277cc", "centralised": "#cc7722"}
+# the issue's floors (issue #17), checked in the report
+FLOOR_WAN_10MS = 1.5
+FLOOR_MASK = 1.1
+FLOOR_CKKS = 1.5
+FLOOR_CKKS_BYTES = 10.0
+FLOOR_FED_CENTRAL = 3.0
+
+
+# --- plans
+
+
+def plan(quick: bool) -> dict[str, Any]:
+    """What each suite runs. Quick: a smoke-sized version of every suite."""
+    if quick:
+        return {
+            "credit": {
+                "repeats": 1,
+                "epochs": 2,
+                "points": [
+                    ["plain", None],
+                    ["mask", None],
+                    ["ckks", None],
+                    ["plain", 10.0],
+                    ["mask", 10.0],
+                ],
+                "mbit": 100.0,
+            },
+            "scaling": {
+                "parties": {"k": [2, 4], "rows": 10_000, "modes": ["plain", "mask"], "epochs": 2},
+                "rows": {"n": [10_000], "modes": ["plain", "mask"], "epochs": 1},
+                "batch": {"b": [256, 1024], "rows": 10_000, "modes": ["plain", "mask"], "epochs": 2},
+                "skipped": [
+                    "quick: 8 and 16 parties, 10^5 and 10^6 rows, batch 64 and ckks scaling "
+                    "run only in the full report"
+                ],
+            },
+            "privacy_utility": ["--seeds", "0", "--eps", "1", "inf", "--epochs", "2"],
+            "crypto": {"masked_sum": ["--quick"], "ckks_params": ["--quick"]},
+        }
+    return {
+        "credit": {
+            "repeats": 2,
+            "epochs": 2,
+            "points": [
+                ["plain", None],
+                ["mask", None],
+                ["ckks", None],
+                ["mask", 0.0],  # the proxy alone (and the 100 Mbit/s cap), no added latency
+                ["plain", 10.0],
+                ["mask", 10.0],
+                ["plain", 50.0],
+                ["mask", 50.0],
+            ],
+            "mbit": 100.0,
+        },
+        "scaling": {
+            "parties": {"k": [2, 4, 8, 16], "rows": 10_000, "modes": list(MODES), "epochs": 3},
+            "rows": {
+                "n": [10_000, 100_000, 1_000_000],
+                "modes": list(MODES),
+                "epochs": 1,
+                # ckks at 10^6 rows: ~3900 batches of encryption per party on 2 shared cores
+                "skip": {"1000000": ["ckks"]},
+            },
+            "batch": {"b": [64, 256, 1024], "rows": 10_000, "modes": list(MODES), "epochs": 3},
+            "skipped": [
+                "ckks at 10^6 rows: about 10x its 10^5-row epoch (linear in rows, see the table), "
+                "too long for a 30-minute report on 2 cores"
+            ],
+        },
+        "privacy_utility": [
+            "--seeds",
+            "0",
+            "1",
+            "--eps",
+            "0.5",
+            "2",
+            "8",
+            "inf",
+            "--epochs",
+            "5",
+        ],
+        "crypto": {"masked_sum": ["--quick"], "ckks_params": ["--quick"]},
+    }
+
+
+def count_steps(p: Mapping[str, Any], suites: Sequence[str]) -> int:
+    n = 0
+    if "credit" in suites:
+        n += 1 + p["credit"]["repeats"] * len(p["credit"]["points"])
+    if "scaling" in suites:
+        s = p["scaling"]
+        n += len(s["parties"]["k"]) * (len(s["parties"]["modes"]) + 2)
+        n += sum(len(s["rows"]["modes"]) + 2 for _ in s["rows"]["n"])
+        n += len(s["batch"]["b"]) * len(s["batch"]["modes"])
+    if "privacy_utility" in suites:
+        n += 1
+    if "crypto" in suites:
+        n += 2
+    if "gpu" in suites:
+        n += 1
+    return n
+
+
+# --- machine and versions
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "kernel": platform.release(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg": F.loadavg(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["ram_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    info["netem"] = netem_probe()
+    return info
+
+
+def netem_probe() -> str:
+    """Whether the kernel offers netem, tried in a throwaway network namespace (never on a
+    real interface)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return "not probed (needs root, ip and tc)"
+    ns = f"svfl-netem-probe-{os.getpid()}"
+    try:
+        made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+        if made.returncode != 0:
+            return f"not probed (ip netns add: {made.stderr.strip()})"
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], capture_output=True)
+        tried = subprocess.run(
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem"]
+            + ["delay", "1ms"],
+            capture_output=True,
+            text=True,
+        )
+        if tried.returncode == 0:
+            return "available"
+        return f"unavailable: {tried.stderr.strip() or tried.stdout.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in (
+        "securevfl",
+        "torch",
+        "tenseal",
+        "opacus",
+        "pyzmq",
+        "numpy",
+        "cryptography",
+        "matplotlib",
+        "rich",
+    ):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    try:
+        import zmq
+
+        out["libzmq"] = zmq.zmq_version()
+    except ImportError:
+        pass
+    return out
+
+
+# --- the runner
+
+
+class Bench:
+    """Runs the suites, shows progress, keeps the raw JSON up to date after every step."""
+
+    def __init__(
+        self,
+        *,
+        out: Path,
+        work: Path,
+        quick: bool,
+        data: Path,
+        suites: Sequence[str],
+        command: str,
+        progress: Any = None,
+    ) -> None:
+        self.out = out
+        self.work = work
+        self.quick = quick
+        self.data = data
+        self.suites = list(suites)
+        self.plan = plan(quick)
+        self.progress = progress
+        self.task = None
+        self.results: dict[str, Any] = {
+            "schema": 1,
+            "command": command,
+            "quick": quick,
+            "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "versions": versions(),
+            "plan": self.plan,
+            "suites": {},
+        }
+        self._t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, description=label)
+
+    def advance(self) -> None:
+        if self.progress is not None and self.task is not None:
+            self.progress.advance(self.task)
+        self.save()
+
+    def save(self) -> None:
+        self.results["wall_seconds"] = round(time.perf_counter() - self._t0, 1)
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "report.json.partial"
+        tmp.write_text(json.dumps(self.results, indent=2, default=str) + "\n")
+        os.replace(tmp, self.out / "report.json")
+
+    def run(self) -> dict[str, Any]:
+        if self.progress is not None:
+            self.task = self.progress.add_task(
+                "starting", total=count_steps(self.plan, self.suites)
+            )
+        for suite in self.suites:
+            started = time.perf_counter()
+            try:
+                result = getattr(self, f"suite_{suite}")()
+            except Exception as exc:  # a failed suite is reported, the others still run
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            result["seconds"] = round(time.perf_counter() - started, 1)
+            self.results["suites"][suite] = result
+            self.save()
+        self.results["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self.results["machine"]["loadavg_end"] = F.loadavg()
+        self.save()
+        return self.results
+
+    # --- credit: overhead + WAN
+
+    def suite_credit(self) -> dict[str, Any]:
+        p = self.plan["credit"]
+        if not self.data.exists():
+            return {"error": f"no Credit table at {self.data}; pass --data PATH/credit_default.csv"}
+        self.step("credit: split and keys")
+        ds = F.credit(self.data, parties=4)
+        prep = F.prepare(ds, self.work)
+        self.advance()
+        runs: list[dict[str, Any]] = []
+        for rep in range(p["repeats"]):
+            for mode, rtt in p["points"]:
+                label = f"credit {mode} {_net(rtt)} (repeat {rep + 1}/{p['repeats']})"
+                self.step(label)
+                raw = F.config_raw(ds, aggregation=mode, epochs=p["epochs"], batch_size=256)
+                r = F.run_federation(
+                    prep,
+                    raw,
+                    self.work / "credit" / f"r{rep}-{mode}-{_net(rtt)}",
+                    rtt_ms=rtt,
+                    mbit=p["mbit"],
+                )
+                r["repeat"] = rep
+                runs.append(r)
+                self.results["suites"]["credit"] = {"runs": runs}
+                self.advance()
+        return summarise_credit(runs, mbit=p["mbit"])
+
+    # --- scaling
+
+    def _point(
+        self,
+        prep: F.Prepared,
+        *,
+        mode: str,
+        epochs: int,
+        batch: int,
+        tag: str,
+    ) -> dict[str, Any]:
+        ds = prep.dataset
+        self.step(f"scaling {tag}: {mode}")
+        raw = F.config_raw(ds, aggregation=mode, epochs=epochs, batch_size=batch)
+        r = F.run_federation(prep, raw, self.work / "scaling" / f"{tag}-{mode}")
+        self.advance()
+        return r
+
+    def _centralised(self, prep: F.Prepared, *, epochs: int, batch: int, tag: str) -> dict:
+        self.step(f"scaling {tag}: centralised")
+        raw = F.config_raw(prep.dataset, aggregation="plain", epochs=epochs, batch_size=batch)
+        r = F.run_centralised(prep, raw, self.work / "scaling" / f"{tag}-centralised")
+        r.update(parties=len(prep.dataset.parties), rows=prep.dataset.rows, batch_size=batch)
+        self.advance()
+        return r
+
+    def suite_scaling(self) -> dict[str, Any]:
+        s = self.plan["scaling"]
+        data_dir = self.work / "tables"
+        out: dict[str, Any] = {
+            "parties": [],
+            "rows": [],
+            "batch": [],
+            "centralised": [],
+            "skipped": list(s["skipped"]),
+            "prepare_seconds": {},
+        }
+        self.results["suites"]["scaling"] = out
+        preps: dict[tuple[int, int], F.Prepared] = {}
+
+        def prepared(rows: int, k: int) -> F.Prepared:
+            if (rows, k) not in preps:
+                self.step(f"scaling: table {rows} rows x {k} parties")
+                ds = F.synthetic(data_dir, rows=rows, parties=k)
+                preps[rows, k] = F.prepare(ds, self.work)
+                out["prepare_seconds"][f"{rows}x{k}"] = round(preps[rows, k].seconds, 1)
+            return preps[rows, k]
+
+        sp = s["parties"]
+        for k in sp["k"]:
+            prep = prepared(sp["rows"], k)
+            self.advance()
+            for mode in sp["modes"]:
+                r = self._point(prep, mode=mode, epochs=sp["epochs"], batch=256, tag=f"k{k}")
+                out["parties"].append(r)
+            out["centralised"].append(
+                self._centralised(prep, epochs=sp["epochs"], batch=256, tag=f"k{k}")
+            )
+        sr = s["rows"]
+        for n in sr["n"]:
+            prep = prepared(n, 4)
+            self.advance()
+            skip = set(sr.get("skip", {}).get(str(n), []))
+            reuse = n == sp["rows"] and 4 in sp["k"] and sr["epochs"] <= sp["epochs"]
+            for mode in sr["modes"]:
+                if mode in skip:
+                    out["rows"].append({"aggregation": mode, "rows": n, "skipped": True})
+                elif reuse and mode in sp["modes"]:
+                    same = [r for r in out["parties"] if r["parties"] == 4]
+                    out["rows"] += [r for r in same if r["aggregation"] == mode]
+                else:
+                    out["rows"].append(
+                        self._point(prep, mode=mode, epochs=sr["epochs"], batch=256, tag=f"n{n}")
+                    )
+                    continue
+                self.advance()
+            if not reuse:
+                out["centralised"].append(
+                    self._centralised(prep, epochs=sr["epochs"], batch=256, tag=f"n{n}")
+                )
+            else:
+                self.advance()
+        sb = s["batch"]
+        prep = prepared(sb["rows"], 4)
+        for b in sb["b"]:
+            for mode in sb["modes"]:
+                same = [
+                    r
+                    for r in out["parties"]
+                    if r["parties"] == 4
+                    and r["aggregation"] == mode
+                    and r["batch_size"] == b
+                    and r["rows"] == sb["rows"]
+                    and r["epochs"] == sb["epochs"]
+                ]
+                if same:
+                    out["batch"].append(same[0])
+                    self.advance()
+                else:
+                    out["batch"].append(
+                        self._point(prep, mode=mode, epochs=sb["epochs"], batch=b, tag=f"b{b}")
+                    )
+        return summarise_scaling(out)
+
+    # --- privacy-utility, crypto (existing scripts)
+
+    def _script(self, name: str, args: Sequence[str], json_name: str) -> dict[str, Any]:
+        target = self.out / json_name
+        cmd = [sys.executable, str(BENCH / name), *args, "--out", str(target)]
+        started = time.perf_counter()
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
+        result: dict[str, Any] = {
+            "command": "python " + shlex.join([f"bench/{name}", *args, "--out", json_name]),
+            "exit_code": done.returncode,
+            "seconds": round(time.perf_counter() - started, 1),
+            "stdout_tail": done.stdout[-1500:],
+        }
+        if target.exists():
+            try:
+                result["data"] = json.loads(target.read_text())
+            except json.JSONDecodeError as exc:
+                result["error"] = f"unreadable JSON: {exc}"
+        else:
+            result["error"] = f"no {json_name}; stderr tail:\n{done.stderr[-1500:]}"
+        png = target.with_suffix(".png")
+        if png.exists():
+            result["png"] = png.name
+        return result
+
+    def suite_privacy_utility(self) -> dict[str, Any]:
+        self.step("privacy-utility (label DP, in-process)")
+        args = [*self.plan["privacy_utility"], "--data", str(self.data)]
+        r = self._script("privacy_utility.py", args, "privacy_utility.json")
+        self.advance()
+        return r
+
+    def suite_crypto(self) -> dict[str, Any]:
+        c = self.plan["crypto"]
+        self.step("crypto: masked sum vs AES keystream")
+        masked = self._script("masked_sum_curve.py", c["masked_sum"], "masked_sum.json")
+        self.advance()
+        self.step("crypto: CKKS parameter sets")
+        ckks = self._script("ckks_params.py", c["ckks_params"], "ckks_params.json")
+        self.advance()
+        return {"masked_sum": masked, "ckks_params": ckks}
+
+    # --- GPU
+
+    def suite_gpu(self) -> dict[str, Any]:
+        self.step("gpu")
+        try:
+            import torch
+
+            available = torch.cuda.is_available()
+        except ImportError:
+            available = False
+        if not available:
+            self.advance()
+            return {"available": False, "note": "no GPU on this machine"}
+        result = gpu_suite(self.work, self.data)
+        self.advance()
+        return result
+
+
+def _net(rtt: float | None) -> str:
+    return "loopback" if rtt is None else f"{rtt:g}ms"
+
+
+# --- GPU (runs only where torch sees a GPU)
+
+
+def gpu_suite(work: Path, data: Path) -> dict[str, Any]:
+    """Party models on cuda vs cpu (plain, Credit, 1 epoch each): the test metrics must agree
+    to float tolerance; per-role peak GPU memory from nvidia-smi sampled while the run lasts
+    (the roles do not time their CUDA work themselves, so GPU time is the sampled
+    utilisation's integral where nvidia-smi reports it)."""
+    import threading
+
+    import torch
+
+    ds = F.credit(data, parties=4)
+    prep = F.prepare(ds, work / "gpu")
+    samples: dict[int, float] = {}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                q = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                )
+                for line in q.stdout.strip().splitlines():
+                    pid, mem = (x.strip() for x in line.split(","))
+                    samples[int(pid)] = max(samples.get(int(pid), 0.0), float(mem))
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+            stop.wait(0.2)
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        raw = F.config_raw(ds, aggregation="plain", epochs=1, device=device)
+        if device == "cuda":
+            t = threading.Thread(target=sample, daemon=True)
+            t.start()
+        runs[device] = F.run_federation(prep, raw, work / "gpu" / device)
+        if device == "cuda":
+            stop.set()
+            t.join(timeout=10)
+    pids = {}
+    pids_file = work / "gpu" / "cuda"
+    for role_dir in pids_file.iterdir() if pids_file.exists() else []:
+        log = role_dir / "logs"
+        del log
+    cpu, cuda = runs["cpu"], runs["cuda"]
+    diffs = {
+        k: abs(cpu["test"][k] - cuda["test"][k])
+        for k in cpu.get("test", {})
+        if isinstance(cpu["test"][k], float) and k in cuda.get("test", {})
+    }
+    return {
+        "available": True,
+        "device_name": torch.cuda.get_device_name(0),
+        "cpu": cpu,
+        "cuda": cuda,
+        "metric_abs_diff": diffs,
+        "gpu_peak_memory_mib_by_pid": samples,
+        "pids": pids,
+    }
+
+
+# --- summaries
+
+
+def _median(xs: Iterable[float]) -> float | None:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else None
+
+
+def _pool(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One point from its repeats: every epoch of every repeat, pooled."""
+    ok = [r for r in runs if r.get("ok") and r.get("epoch_seconds")]
+    if not ok:
+        return {"ok": False, "error": next((r.get("error") for r in runs if r.get("error")), None)}
+    epochs = [e for r in ok for e in r["epoch_seconds"]]
+    first = ok[0]
+    parties = [k for k in first["peak_rss_mib"] if k.startswith("p")]
+    return {
+        "ok": True,
+        "aggregation": first["aggregation"],
+        "parties": first["parties"],
+        "rows": first["rows"],
+        "batch_size": first["batch_size"],
+        "rtt_ms": first.get("rtt_ms"),
+        "n_train": first.get("n_train"),
+        "repeats": len(ok),
+        "epoch_seconds": epochs,
+        "median_epoch_seconds": _median(epochs),
+        "party_bytes_sent_per_epoch": _median(r["party_bytes_sent_per_epoch"] for r in ok),
+        "total_bytes_sent_per_epoch": _median(r["total_bytes_sent"] / r["epochs"] for r in ok),
+        "peak_rss_mib_party": max(max(r["peak_rss_mib"][p] for p in parties) for r in ok),
+        "peak_rss_mib_active": max(r["peak_rss_mib"].get("active", 0.0) for r in ok),
+        "peak_rss_mib_aggregator": max(r["peak_rss_mib"].get("aggregator", 0.0) for r in ok),
+        "peak_rss_mib_all_roles": max(sum(r["peak_rss_mib"].values()) for r in ok),
+        "cpu_seconds_all_roles": _median(sum(r["cpu_seconds"].values()) for r in ok),
+        "test": first.get("test"),
+        "load": [r["load_before"][0] for r in ok],
+    }
+
+
+def summarise_credit(runs: Sequence[Mapping[str, Any]], *, mbit: float) -> dict[str, Any]:
+    keys = list(dict.fromkeys((r["aggregation"], r["rtt_ms"]) for r in runs))
+    points = {k: _pool([r for r in runs if (r["aggregation"], r["rtt_ms"]) == k]) for k in keys}
+    table = [{"key": f"{m}@{_net(rtt)}", **points[m, rtt]} for m, rtt in keys]
+    plain = points.get(("plain", None), {})
+    overhead = {}
+    for m in MODES:
+        pt = points.get((m, None))
+        if pt and pt.get("ok") and plain.get("ok"):
+            overhead[m] = {
+                "epoch_ratio": pt["median_epoch_seconds"] / plain["median_epoch_seconds"],
+                "bytes_ratio": pt["party_bytes_sent_per_epoch"]
+                / plain["party_bytes_sent_per_epoch"],
+                "rss_ratio": pt["peak_rss_mib_party"] / plain["peak_rss_mib_party"],
+            }
+    wan = []
+    for m, rtt in keys:
+        base = points.get((m, None))
+        pt = points[m, rtt]
+        if rtt is None or not (pt.get("ok") and base and base.get("ok")):
+            continue
+        wan.append(wan_analysis(base, pt, runs=[r for r in runs if r["aggregation"] == m], mbit=mbit))
+    return {"runs": list(runs), "points": table, "overhead": overhead, "wan": wan, "mbit": mbit}
+
+
+def wan_analysis(
+    base: Mapping[str, Any],
+    point: Mapping[str, Any],
+    *,
+    runs: Sequence[Mapping[str, Any]],
+    mbit: float,
+) -> dict[str, Any]:
+    """Where the time goes behind the emulated WAN. split-NN makes two calls per batch
+    (forward, backward); each call goes active -> aggregator -> parties -> aggregator -> active,
+    four one-way trips = 2 RTT, so 4 RTT per batch are exposed. On top of that, the bytes on
+    the critical path are serialised at the line rate."""
+    rtt = float(point["rtt_ms"])
+    n_batches = math.ceil(point["n_train"] / point["batch_size"])
+    loop = base["median_epoch_seconds"]
+    added = point["median_epoch_seconds"] - loop
+    per_batch = added / n_batches
+    # critical-path bytes per batch, from the loopback runs' counters (a party's and the active
+    # party's traffic both ways; whole-run counters include set-up and test, a slight excess)
+    loop_runs = [r for r in runs if r["rtt_ms"] is None and r.get("ok")]
+    critical = None
+    if loop_runs:
+        r = loop_runs[0]
+        batches_run = n_batches * r["epochs"]
+        party = next(k for k in r["bytes_sent"] if k.startswith("p"))
+        critical = (
+            r["bytes_sent"][party]
+            + r["bytes_received"][party]
+            + r["bytes_sent"]["active"]
+            + r["bytes_received"]["active"]
+        ) / batches_run
+    serial_ms = critical * 8 / (mbit * 1e6) * 1000 if critical and mbit else 0.0
+    model_per_batch_ms = 4 * rtt + serial_ms
+    t_batch_ms = loop / n_batches * 1000
+    depths = {}
+    for name, k in (("today (4 RTT/batch)", 4), ("fused backward+next forward (2 RTT)", 2)):
+        need = (k * rtt + serial_ms) / (0.5 * t_batch_ms)  # d + 1 batches in flight
+        depths[name] = max(0, math.ceil(need) - 1)
+    depths["fused + aggregator in the active party's process (1 RTT, mask only)"] = max(
+        0, math.ceil((rtt + serial_ms / 2) / (0.5 * t_batch_ms)) - 1
+    )
+    return {
+        "aggregation": point["aggregation"],
+        "rtt_ms": rtt,
+        "mbit": mbit,
+        "loopback_epoch_s": loop,
+        "wan_epoch_s": point["median_epoch_seconds"],
+        "ratio": point["median_epoch_seconds"] / loop,
+        "batches_per_epoch": n_batches,
+        "loopback_ms_per_batch": t_batch_ms,
+        "added_ms_per_batch": per_batch * 1000,
+        "added_rtts_per_batch": per_batch * 1000 / rtt if rtt else None,
+        "critical_bytes_per_batch": critical,
+        "serialisation_ms_per_batch": serial_ms,
+        "model_added_ms_per_batch": model_per_batch_ms,
+        "model_epoch_s": loop + n_batches * model_per_batch_ms / 1000,
+        "pipeline_depth_for_1_5x": depths,
+    }
+
+
+def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
+    def pts(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[dict[str, Any]]:
+        groups: dict[tuple, list] = {}
+        for r in runs:
+            if r.get("skipped"):
+                groups.setdefault(("skipped", r["aggregation"], r["rows"]), []).append(r)
+                continue
+            groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+        result = []
+        for key, rs in groups.items():
+            if key[0] == "skipped":
+                result.append(
+                    {"aggregation": key[1], "rows": key[2], "skipped": True, "ok": False}
+                )
+            else:
+                result.append(_pool(rs))
+        return result
+
+    out["parties_points"] = pts(out["parties"], ["aggregation", "parties"])
+    out["rows_points"] = pts(out["rows"], ["aggregation", "rows"])
+    out["batch_points"] = pts(out["batch"], ["aggregation", "batch_size"])
+    ratios = []
+    for c in out["centralised"]:
+        if not c.get("ok"):
+            continue
+        fed = next(
+            (
+                p
+                for p in out["parties_points"] + out["rows_points"]
+                if p.get("ok")
+                and p["aggregation"] == "plain"
+                and p["parties"] == c["parties"]
+                and p["rows"] == c["rows"]
+            ),
+            None,
+        )
+        if fed is None:
+            continue
+        mask = next(
+            (
+                p
+                for p in out["parties_points"] + out["rows_points"]
+                if p.get("ok")
+                and p["aggregation"] == "mask"
+                and p["parties"] == c["parties"]
+                and p["rows"] == c["rows"]
+            ),
+            None,
+        )
+        ratios.append(
+            {
+                "parties": c["parties"],
+                "rows": c["rows"],
+                "centralised_epoch_s": c["median_epoch_seconds"],
+                "federated_plain_epoch_s": fed["median_epoch_seconds"],
+                "ratio": fed["median_epoch_seconds"] / c["median_epoch_seconds"],
+                "mask_ratio": (
+                    mask["median_epoch_seconds"] / c["median_epoch_seconds"] if mask else None
+                ),
+                "centralised_peak_rss_mib": c.get("peak_rss_mib"),
+                "federated_peak_rss_mib_all_roles": fed["peak_rss_mib_all_roles"],
+                "same_test_metrics": _same_metrics(c.get("test"), fed.get("test")),
+            }
+        )
+    out["federated_vs_centralised"] = ratios
+    return out
+
+
+def _same_metrics(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool | None:
+    if not a or not b:
+        return None
+    keys = [k for k in a if isinstance(a[k], float) and k in b]
+    return all(abs(a[k] - b[k]) < 1e-4 for k in keys)
+
+
+# --- rendering
+
+
+def _fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}".replace(",", " ")
+    if isinstance(x, float):
+        if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** (-digits)):
+            return f"{x:.3g}"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(c) if not isinstance(c, str) else c for c in row) + " |")
+    return "\n".join(lines)
+
+
+def _mib(b: float | None) -> float | None:
+    return None if b is None else b / 2**20
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_credit(credit: Mapping[str, Any], out: Path) -> list[str]:
+    plt = _plt()
+    made = []
+    pts = {(p["aggregation"], p["rtt_ms"]): p for p in credit["points"] if p.get("ok")}
+    loop = [m for m in MODES if (m, None) in pts]
+    if loop:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+        vals = [
+            ("median epoch time (s)", lambda p: p["median_epoch_seconds"], False),
+            ("MiB sent per party per epoch", lambda p: _mib(p["party_bytes_sent_per_epoch"]), True),
+            ("peak RSS of a party (MiB)", lambda p: p["peak_rss_mib_party"], False),
+        ]
+        for ax, (label, get, log) in zip(axes, vals, strict=True):
+            ys = [get(pts[m, None]) for m in loop]
+            ax.bar(loop, ys, color=[COLORS[m] for m in loop])
+            ax.set_ylabel(label)
+            if log:
+                ax.set_yscale("log")
+            base = ys[0] if loop[0] == "plain" else None
+            for i, y in enumerate(ys):
+                if base and i:
+                    ax.annotate(
+                        f"{y / base:.2f}x", (i, y), ha="center", xytext=(0, 3),
+                        textcoords="offset points",
+                    )
+        fig.suptitle("Secure vs plain: split-NN, Credit, 4 parties, batch 256, loopback")
+        fig.tight_layout()
+        fig.savefig(out / "overhead.png", dpi=110)
+        plt.close(fig)
+        made.append("overhead.png")
+    if credit.get("wan"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+        for m in ("plain", "mask"):
+            rows = [w for w in credit["wan"] if w["aggregation"] == m and w["rtt_ms"] > 0]
+            if not rows or (m, None) not in pts:
+                continue
+            xs = [0.0] + [w["rtt_ms"] for w in rows]
+            ys = [pts[m, None]["median_epoch_seconds"]] + [w["wan_epoch_s"] for w in rows]
+            model = [ys[0]] + [w["model_epoch_s"] for w in rows]
+            axes[0].plot(xs, ys, "o-", color=COLORS[m], label=f"{m} measured")
+            axes[0].plot(xs, model, "--", color=COLORS[m], alpha=0.6, label=f"{m}: 4 RTT/batch model")
+            axes[1].plot(xs, [y / ys[0] for y in ys], "o-", color=COLORS[m], label=m)
+        axes[0].set_xlabel("added RTT (ms), 100 Mbit/s")
+        axes[0].set_ylabel("median epoch time (s)")
+        axes[0].legend(fontsize=8)
+        axes[1].axhline(FLOOR_WAN_10MS, color="red", linewidth=0.8, linestyle=":")
+        axes[1].annotate("floor at 10 ms: 1.5x", (10, FLOOR_WAN_10MS), fontsize=8, color="red")
+        axes[1].set_xlabel("added RTT (ms)")
+        axes[1].set_ylabel("epoch time / loopback")
+        axes[1].legend(fontsize=8)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+        fig.suptitle("Emulated WAN (user-space delaying proxy): Credit, 4 parties, batch 256")
+        fig.tight_layout()
+        fig.savefig(out / "wan.png", dpi=110)
+        plt.close(fig)
+        made.append("wan.png")
+    return made
+
+
+def plot_scaling(s: Mapping[str, Any], out: Path) -> list[str]:
+    plt = _plt()
+    made = []
+    specs = [
+        ("parties_points", "parties", "number of passive parties", "scaling_parties.png", False),
+        ("rows_points", "rows", "rows in the table", "scaling_rows.png", True),
+        ("batch_points", "batch_size", "batch size", "scaling_batch.png", True),
+    ]
+    for key, x, xlabel, name, logx in specs:
+        pts = [p for p in s.get(key, []) if p.get("ok")]
+        if not pts:
+            continue
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for m in MODES:
+            mp = sorted((p for p in pts if p["aggregation"] == m), key=lambda p: p[x])
+            if not mp:
+                continue
+            xs = [p[x] for p in mp]
+            axes[0].plot(xs, [p["median_epoch_seconds"] for p in mp], "o-", color=COLORS[m], label=m)
+            axes[1].plot(
+                xs, [_mib(p["total_bytes_sent_per_epoch"]) for p in mp], "o-", color=COLORS[m],
+                label=m,
+            )
+            axes[2].plot(xs, [p["peak_rss_mib_party"] for p in mp], "o-", color=COLORS[m], label=m)
+        if key != "batch_points":
+            cent = sorted(
+                (
+                    c
+                    for c in s.get("centralised", [])
+                    if c.get("ok")
+                    and (c["rows"] == 10_000 if key == "parties_points" else c["parties"] == 4)
+                ),
+                key=lambda c: c[x],
+            )
+            if cent:
+                axes[0].plot(
+                    [c[x] for c in cent],
+                    [c["median_epoch_seconds"] for c in cent],
+                    "s--",
+                    color=COLORS["centralised"],
+                    label="centralised (1 process)",
+                )
+                axes[2].plot(
+                    [c[x] for c in cent],
+                    [c.get("peak_rss_mib") or 0 for c in cent],
+                    "s--",
+                    color=COLORS["centralised"],
+                    label="centralised (1 process)",
+                )
+        axes[0].set_ylabel("median epoch time (s)")
+        axes[1].set_ylabel("MiB sent per epoch, all roles")
+        axes[2].set_ylabel("peak RSS of one party (MiB)")
+        for ax in axes:
+            ax.set_xlabel(xlabel)
+            if logx:
+                ax.set_xscale("log")
+            if key == "parties_points":
+                ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        if key != "batch_points":
+            axes[0].set_yscale("log")
+            axes[1].set_yscale("log")
+        fig.suptitle(f"Scaling: split-NN on synthetic data, against the {xlabel}")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def render(results: Mapping[str, Any], out: Path) -> Path:
+    """Write OUT/report.md (and the PNGs it shows) from the raw results; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    suites = results.get("suites", {})
+    m, v = results.get("machine", {}), results.get("versions", {})
+    lines = [
+        "# securevfl benchmark report",
+        "",
+        f"Command: `{results.get('command')}`" + (" (quick)" if results.get("quick") else ""),
+        "",
+        f"Started {results.get('started')}, finished {results.get('finished', '-')}, "
+        f"{_fmt(results.get('wall_seconds', 0) / 60, 1)} min.",
+        "",
+        "## Machine and versions",
+        "",
+        md_table(
+            ["", ""],
+            [
+                ["CPU", str(m.get("cpu_model", "?"))],
+                ["cores", f"{m.get('cpu_count')} ({m.get('cpus_usable')} usable)"],
+                ["RAM", f"{m.get('ram_gib')} GiB"],
+                ["kernel", str(m.get("kernel"))],
+                [
+                    "load average (1/5/15 min)",
+                    f"{m.get('loadavg')} at start, {m.get('loadavg_end', '-')} at end",
+                ],
+                ["netem", str(m.get("netem"))],
+                *[[k, str(x)] for k, x in v.items()],
+            ],
+        ),
+        "",
+        "Every federated number is a real federation: one OS process per role (the commands "
+        "`securevfl run` starts), ZeroMQ over TCP with CURVE, `OMP_NUM_THREADS=1` per process, "
+        "all sharing the machine's cores. Ratios compare runs interleaved in this invocation; "
+        "epoch times are medians over every epoch of every repeat. The load average (other "
+        "jobs on the machine) is recorded before every run in report.json.",
+        "",
+    ]
+    lines += _render_credit(suites.get("credit"), out)
+    lines += _render_scaling(suites.get("scaling"), out)
+    lines += _render_privacy(suites.get("privacy_utility"), out)
+    lines += _render_crypto(suites.get("crypto"), out)
+    lines += _render_gpu(suites.get("gpu"))
+    lines += [
+        "## Raw data",
+        "",
+        "`report.json` holds every run (epoch times, bytes per role, peak RSS and CPU seconds "
+        "per role, exit codes, the proxy's counters, the load average before and after).",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
+    if not c:
+        return []
+    lines = ["## Secure vs plain, and latency (Credit, 4 parties, batch 256)", ""]
+    if c.get("error"):
+        return lines + [f"Not run: {c['error']}", ""]
+    made = plot_credit(c, out)
+    lines += [
+        md_table(
+            [
+                "aggregation @ network",
+                "median epoch (s)",
+                "epochs pooled",
+                "MiB sent / party / epoch",
+                "peak RSS party (MiB)",
+                "peak RSS all roles (MiB)",
+                "test ROC-AUC",
+                "load (1 min) before",
+            ],
+            [
+                [
+                    p["key"],
+                    p.get("median_epoch_seconds"),
+                    len(p.get("epoch_seconds", [])),
+                    _mib(p.get("party_bytes_sent_per_epoch")),
+                    p.get("peak_rss_mib_party"),
+                    p.get("peak_rss_mib_all_roles"),
+                    (p.get("test") or {}).get("roc_auc"),
+                    ", ".join(f"{x:.1f}" for x in p.get("load", [])),
+                ]
+                for p in c["points"]
+            ],
+        ),
+        "",
+    ]
+    ov = c.get("overhead", {})
+    if ov:
+        rows = []
+        for mode, r in ov.items():
+            floor = {"mask": f"epoch <= {FLOOR_MASK}x", "ckks": f"epoch <= {FLOOR_CKKS}x, bytes "
+                     f"<= {FLOOR_CKKS_BYTES:g}x"}.get(mode, "-")
+            held = {
+                "mask": r["epoch_ratio"] <= FLOOR_MASK,
+                "ckks": r["epoch_ratio"] <= FLOOR_CKKS and r["bytes_ratio"] <= FLOOR_CKKS_BYTES,
+            }.get(mode)
+            rows.append([mode, r["epoch_ratio"], r["bytes_ratio"], r["rss_ratio"], floor, held])
+        lines += [
+            "Overhead against plain (loopback):",
+            "",
+            md_table(
+                ["aggregation", "epoch × plain", "bytes × plain", "party RSS × plain", "floor",
+                 "holds"],
+                rows,
+            ),
+            "",
+        ]
+    if "overhead.png" in made:
+        lines += ["![overhead](overhead.png)", ""]
+    wan = c.get("wan", [])
+    if wan:
+        lines += [
+            f"### Emulated WAN ({c.get('mbit'):g} Mbit/s per direction and connection)",
+            "",
+            "This kernel has no netem, so `bench/wanproxy.py` (a user-space TCP proxy) sits "
+            "between every role and the aggregator: the aggregator binds its real port, the "
+            "roles connect to the proxy, which releases each chunk at its arrival + RTT/2 "
+            "after serialising it at the line rate (FIFO, per direction and connection). CURVE "
+            "passes through unchanged (the proxy forwards bytes).",
+            "",
+            md_table(
+                [
+                    "aggregation",
+                    "RTT (ms)",
+                    "epoch (s)",
+                    "× loopback",
+                    "added ms / batch",
+                    "= RTTs / batch",
+                    "model: 4 RTT + serialisation (ms)",
+                    "floor (mask, 10 ms)",
+                ],
+                [
+                    [
+                        w["aggregation"],
+                        w["rtt_ms"],
+                        w["wan_epoch_s"],
+                        w["ratio"],
+                        w["added_ms_per_batch"],
+                        w["added_rtts_per_batch"],
+                        w["model_added_ms_per_batch"],
+                        (
+                            ("holds" if w["ratio"] <= FLOOR_WAN_10MS else "fails")
+                            if w["aggregation"] == "mask" and w["rtt_ms"] == 10
+                            else "-"
+                        ),
+                    ]
+                    for w in wan
+                ],
+            ),
+            "",
+        ]
+        w10 = next((w for w in wan if w["aggregation"] == "mask" and w["rtt_ms"] == 10), None)
+        if w10:
+            held = w10["ratio"] <= FLOOR_WAN_10MS
+            lines += [
+                f"**Floor: mask epoch at 10 ms RTT ≤ {FLOOR_WAN_10MS}× loopback: "
+                f"{'holds' if held else 'does not hold'}** ({w10['ratio']:.2f}×).",
+                "",
+                "Where the time goes: split-NN makes two calls per batch (forward, then "
+                "backward), and every call goes active → aggregator → parties → aggregator → "
+                "active, four one-way trips, i.e. 2 RTT; so each batch waits 4 RTT, plus "
+                f"the critical path's bytes at the line rate "
+                f"({_fmt(_kib(w10['critical_bytes_per_batch']), 1)} KiB per batch, "
+                f"{w10['serialisation_ms_per_batch']:.1f} ms at {c.get('mbit'):g} Mbit/s). "
+                f"A loopback batch takes {w10['loopback_ms_per_batch']:.1f} ms, so "
+                f"{w10['batches_per_epoch']} batches per epoch × "
+                f"{w10['model_added_ms_per_batch']:.0f} ms is the modelled cost; the measured "
+                f"added time is {w10['added_ms_per_batch']:.0f} ms per batch "
+                f"({_fmt(w10['added_rtts_per_batch'], 1)} RTT).",
+                "",
+                "Proposal (not implemented; the lead decides): to stay within 1.5× the "
+                "exposed latency per batch must fall below half a loopback batch. With "
+                "d batches in flight (pipelining: the next batches' forwards while the "
+                "previous backward is on the wire, gradients d steps stale, equivalent at "
+                "d = 0) the exposed latency is about L/(d + 1), which needs:",
+                "",
+                md_table(
+                    ["protocol", "pipeline depth d needed at 10 ms"],
+                    [[k, d] for k, d in w10["pipeline_depth_for_1_5x"].items()],
+                ),
+                "",
+                "Message batching per round (the backward of batch t and the forward of "
+                "batch t+1 in one call, one envelope per party) halves the round trips at no "
+                "staleness cost beyond depth 1; running the aggregator inside the active "
+                "party's process (allowed for mask by the design, `[network] "
+                "aggregator_in_active`, not implemented yet) halves them again.",
+                "",
+            ]
+        if "wan.png" in made:
+            lines += ["![wan](wan.png)", ""]
+    return lines
+
+
+def _kib(b: float | None) -> float | None:
+    return None if b is None else b / 1024
+
+
+def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
+    if not s:
+        return []
+    lines = ["## Scaling (synthetic tables, 5 columns per party, split-NN, hidden 64, width 16)", ""]
+    if s.get("error"):
+        return lines + [f"Not run: {s['error']}", ""]
+    made = plot_scaling(s, out)
+
+    def table(key: str, x: str, xname: str) -> list[str]:
+        pts = s.get(key, [])
+        if not pts:
+            return []
+        rows = []
+        for p in sorted(pts, key=lambda p: (p.get(x, 0), MODES.index(p["aggregation"]))):
+            if p.get("skipped"):
+                rows.append([p.get(x), p["aggregation"], "skipped", "-", "-", "-", "-"])
+                continue
+            if not p.get("ok"):
+                rows.append([p.get(x), p.get("aggregation", "?"), "failed", "-", "-", "-", "-"])
+                continue
+            rows.append(
+                [
+                    p[x],
+                    p["aggregation"],
+                    p["median_epoch_seconds"],
+                    p["n_train"] / p["median_epoch_seconds"] if p.get("n_train") else None,
+                    _mib(p["total_bytes_sent_per_epoch"]),
+                    p["peak_rss_mib_party"],
+                    p["peak_rss_mib_all_roles"],
+                ]
+            )
+        return [
+            md_table(
+                [xname, "aggregation", "median epoch (s)", "train rows / s",
+                 "MiB sent / epoch (all roles)", "peak RSS party (MiB)",
+                 "peak RSS all roles (MiB)"],
+                rows,
+            ),
+            "",
+        ]
+
+    lines += ["### Parties (10^4 rows, batch 256)", ""] + table("parties_points", "parties", "parties")
+    if "scaling_parties.png" in made:
+        lines += ["![parties](scaling_parties.png)", ""]
+    lines += ["### Rows (4 parties, batch 256)", ""] + table("rows_points", "rows", "rows")
+    if "scaling_rows.png" in made:
+        lines += ["![rows](scaling_rows.png)", ""]
+    lines += ["### Batch size (4 parties, 10^4 rows)", ""] + table(
+        "batch_points", "batch_size", "batch"
+    )
+    if "scaling_batch.png" in made:
+        lines += ["![batch](scaling_batch.png)", ""]
+    fc = s.get("federated_vs_centralised", [])
+    if fc:
+        lines += [
+            "### Federated plain vs centralised",
+            "",
+            "The centralised reference trains the same model (one encoder per column block, "
+            "their sum, the same head, Adam, the same rows, batches and seeds) in one process "
+            "with one thread, reading the same split files; its test metrics match the "
+            "federated run's (column `same model`).",
+            "",
+            md_table(
+                [
+                    "parties",
+                    "rows",
+                    "centralised epoch (s)",
+                    "federated plain epoch (s)",
+                    "plain × centralised",
+                    "mask × centralised",
+                    f"floor ≤ {FLOOR_FED_CENTRAL:g}× (2..8 parties)",
+                    "same model",
+                    "RSS centralised / federated (MiB)",
+                ],
+                [
+                    [
+                        r["parties"],
+                        r["rows"],
+                        r["centralised_epoch_s"],
+                        r["federated_plain_epoch_s"],
+                        r["ratio"],
+                        r["mask_ratio"],
+                        (
+                            ("holds" if r["ratio"] <= FLOOR_FED_CENTRAL else "fails")
+                            if 2 <= r["parties"] <= 8
+                            else "(reported)"
+                        ),
+                        r["same_test_metrics"],
+                        f"{_fmt(r['centralised_peak_rss_mib'], 0)} / "
+                        f"{_fmt(r['federated_peak_rss_mib_all_roles'], 0)}",
+                    ]
+                    for r in fc
+                ],
+            ),
+            "",
+        ]
+    if s.get("skipped"):
+        lines += ["Not measured: " + "; ".join(s["skipped"]) + ".", ""]
+    return lines
+
+
+def _copy_png(r: Mapping[str, Any], out: Path) -> str | None:
+    name = r.get("png")
+    return name if name and (out / name).exists() else None
+
+
+def _render_privacy(r: Mapping[str, Any] | None, out: Path) -> list[str]:
+    if not r:
+        return []
+    lines = ["## Privacy–utility (label DP, Credit, in-process)", "", f"`{r.get('command')}`", ""]
+    data = r.get("data")
+    if not data:
+        return lines + [f"Failed: {r.get('error')}", ""]
+    rows = []
+    for s in data.get("summary", []):
+        eps = "∞ (no DP)" if s["eps_target"] is None else f"{s['eps_target']:g}"
+        rows.append(
+            [eps, s["runs"], s["f1"], s["roc_auc"], s["attack_norm_auc"], s["attack_direction_auc"]]
+        )
+    setup = data.get("setup", {})
+    lines += [
+        f"{setup.get('epochs')} epochs, seeds {setup.get('seeds')}, batch "
+        f"{setup.get('batch_size')}, clip {setup.get('label_dp_clip')}.",
+        "",
+        md_table(
+            ["label-DP ε", "runs", "test F1", "test ROC-AUC", "norm attack AUC",
+             "direction attack AUC"],
+            rows,
+        ),
+        "",
+    ]
+    png = _copy_png(r, out)
+    if png:
+        lines += [f"![privacy-utility]({png})", ""]
+    return lines
+
+
+def _render_crypto(c: Mapping[str, Any] | None, out: Path) -> list[str]:
+    if not c:
+        return []
+    lines = ["## Secure-sum primitives", ""]
+    if c.get("error"):
+        return lines + [f"Not run: {c['error']}", ""]
+    ms = c.get("masked_sum", {})
+    lines += [f"Masked sum vs the raw AES-CTR keystream: `{ms.get('command')}`", ""]
+    data = ms.get("data")
+    if data:
+        try:
+            rows = []
+            for row in data["keystream_limit"]:
+                variants = [k for k in row if isinstance(row[k], dict) and "mb_per_s" in row[k]]
+                for var in variants:
+                    rows.append(
+                        [row["parties"], var, row[var]["mb_per_s"],
+                         row[var].get("ratio_to_raw_buffer"), row[var].get("ratio_to_raw_buffer_cpu")]
+                    )
+            lines += [
+                md_table(
+                    ["parties K", "variant", "MB/s (wall)", "× raw keystream (wall)",
+                     "× raw keystream (CPU)"],
+                    rows,
+                ),
+                "",
+            ]
+            meta = data.get("meta", {})
+            if "target_ratio" in meta:
+                lines += [
+                    f"Target ≥ {meta['target_ratio']} of the raw keystream (K = 4, 10^6 values): "
+                    f"fused {_fmt(meta.get('target_met_fused_1_thread'))} (wall), "
+                    f"{_fmt(meta.get('target_met_fused_1_thread_cpu'))} (CPU time); prepared "
+                    f"{_fmt(meta.get('target_met_prepared'))}.",
+                    "",
+                ]
+        except (KeyError, TypeError):
+            lines += ["(see masked_sum.json)", ""]
+    else:
+        lines += [f"Failed: {ms.get('error')}", ""]
+    png = _copy_png(ms, out)
+    if png:
+        lines += [f"![masked sum]({png})", ""]
+    ck = c.get("ckks_params", {})
+    lines += [f"CKKS parameter sets: `{ck.get('command')}`", ""]
+    data = ck.get("data")
+    if data:
+        try:
+            rows = [
+                [
+                    s["label"],
+                    s["poly_modulus_degree"],
+                    str(s["coeff_mod_bit_sizes"]),
+                    s["security_bits"],
+                    s["precision_bits"],
+                    s["measured_bytes_per_value"],
+                    s["values_per_s_cpu"].get("encrypt"),
+                    s["values_per_s_cpu"].get("encrypt_prepared"),
+                    s["values_per_s_cpu"].get("decrypt_release"),
+                ]
+                for s in data["sets"]
+            ]
+            lines += [
+                md_table(
+                    ["set", "N", "moduli (bits)", "security (bits)", "released precision (bits)",
+                     "bytes / value", "encrypt values/s (CPU)", "prepared encrypt values/s",
+                     "decrypt+release values/s"],
+                    rows,
+                ),
+                "",
+            ]
+        except (KeyError, TypeError, AttributeError):
+            lines += ["(see ckks_params.json)", ""]
+    else:
+        lines += [f"Failed: {ck.get('error')}", ""]
+    return lines
+
+
+def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
+    if not g:
+        return []
+    lines = ["## GPU", ""]
+    if not g.get("available"):
+        return lines + [f"{g.get('note', 'no GPU on this machine')}: no GPU numbers in this report.",
+                        ""]
+    cpu, cuda = g.get("cpu", {}), g.get("cuda", {})
+    lines += [
+        f"Device: {g.get('device_name')}. Party models and head on cuda vs cpu (plain, Credit, "
+        "one epoch each, real processes).",
+        "",
+        md_table(
+            ["device", "epoch (s)", "test ROC-AUC", "peak RSS all roles (MiB)"],
+            [
+                ["cpu", (cpu.get("epoch_seconds") or [None])[0], (cpu.get("test") or {}).get("roc_auc"),
+                 sum((cpu.get("peak_rss_mib") or {}).values())],
+                ["cuda", (cuda.get("epoch_seconds") or [None])[0],
+                 (cuda.get("test") or {}).get("roc_auc"),
+                 sum((cuda.get("peak_rss_mib") or {}).values())],
+            ],
+        ),
+        "",
+        f"Largest metric difference cuda vs cpu: "
+        f"{max(g.get('metric_abs_diff', {}).values(), default=float('nan')):.2e}.",
+        "",
+        "Peak GPU memory per process (nvidia-smi samples, MiB): "
+        + (
+            ", ".join(f"pid {p}: {mem:.0f}" for p, mem in g.get("gpu_peak_memory_mib_by_pid", {}).items())
+            or "none seen"
+        )
+        + ". GPU time per role is not recorded: the roles do not time their CUDA work yet.",
+        "",
+    ]
+    return lines
+
+
+# --- entry point
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.py") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke-sized: a few minutes")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "report")
+    ap.add_argument("--data", type=Path, default=F.CREDIT, help="credit_default.csv")
+    ap.add_argument("--only", help=f"comma-separated suites of {','.join(SUITES)}")
+    ap.add_argument("--work", type=Path, help="keep the run directories here (default: temp)")
+    ap.add_argument(
+        "--render", action="store_true", help="only re-render OUT/report.md from OUT/report.json"
+    )
+    args = ap.parse_args(argv)
+    out = args.out.resolve()
+    if args.render:
+        results = json.loads((out / "report.json").read_text())
+        print(f"wrote {render(results, out)}")
+        return 0
+    suites = [s.strip() for s in (args.only or ",".join(SUITES)).split(",") if s.strip()]
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        ap.error(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    command = " ".join([prog, *(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))])
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with tempfile.TemporaryDirectory(prefix="securevfl-bench-") as tmp:
+        work = (args.work or Path(tmp)).resolve()
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        ) as progress:
+            bench = Bench(
+                out=out,
+                work=work,
+                quick=args.quick,
+                data=args.data.resolve(),
+                suites=suites,
+                command=command,
+                progress=progress,
+            )
+            results = bench.run()
+    path = render(results, out)
+    print(f"wrote {path}, {out / 'report.json'} and the PNGs next to them")
+    failed = [s for s, r in results["suites"].items() if isinstance(r, dict) and r.get("error")]
+    if failed:
+        print(f"suites that failed: {', '.join(failed)} (see report.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""Peak memory of multi-gigabyte tables: a synthetic CSV (string ids, numeric columns with empty
+cells, categorical columns with `?` cells, a yes/no column, a text label) of a given size, then,
+each step in a child process of its own, its peak resident memory (`wait4`'s ru_maxrss, and
+/proc samples split into anonymous and file-backed memory) and wall time:
+
+* ``split``: `securevfl split` of the table into one file per role (active: the label; party
+  ``a``: 12 numeric, 4 categorical and the yes/no column; party ``b``: 4 numeric, 2 categorical);
+* ``party``: one party whose own file is the whole table (it holds 22 of the 23 feature
+  columns; a second party holds the last one): loading it, fitting its encoding and its scaler
+  on the training rows, and one epoch of batches (each batch's rows read, one-hot encoded and
+  scaled to float32, as the party's method does).
+
+Streaming (the default for files over 256 MiB) at the full size, and streaming against holding
+the table in memory at a smaller size. Writes bench/results/stream_rss.json; the CSV and every
+output are deleted afterwards.
+
+    python bench/stream_rss.py --gb 5 --small-gb 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+NUMERIC = [f"x{j:02d}" for j in range(16)]
+CATEGORICAL = [f"k{j}" for j in range(6)]
+LEVELS = [4, 8, 12, 20, 3, 6]
+PARTY_A = NUMERIC[:12] + CATEGORICAL[:4] + ["member"]
+PARTY_B = NUMERIC[12:] + CATEGORICAL[4:]
+BLOCK_ROWS = 250_000
+
+
+# ---------------------------------------------------------------------------------------------
+# the synthetic table
+
+
+def generate(path: Path, target_bytes: int, *, seed: int = 0) -> int:
+    """Write a CSV of about `target_bytes`; returns its row count."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pcsv
+
+    rng = np.random.default_rng(seed)
+    levels = [pa.array([f"level_{c}_{j:02d}" for j in range(m)]) for c, m in enumerate(LEVELS)]
+    rows = 0
+    with path.open("wb") as fh:
+        first = True
+        while fh.tell() < target_bytes:
+            n = BLOCK_ROWS
+            ids = pc.binary_join_element_wise(
+                "cust-", pa.array(np.arange(rows, rows + n)).cast(pa.string()), ""
+            )
+            x = rng.normal(size=(n, len(NUMERIC))).round(4)
+            cols = {"customer": ids}
+            for j, c in enumerate(NUMERIC):
+                text = pa.array(x[:, j]).cast(pa.string())
+                cols[c] = pc.if_else(pa.array(rng.random(n) < 0.02), "", text)
+            for j, c in enumerate(CATEGORICAL):
+                text = levels[j].take(pa.array(rng.integers(LEVELS[j], size=n)))
+                cols[c] = pc.if_else(pa.array(rng.random(n) < 0.01), "?", text)
+            cols["member"] = pa.array(np.where(rng.random(n) < 0.5, "yes", "no"))
+            score = x[:, 0] + x[:, 1] - x[:, 2]
+            cols["outcome"] = pa.array(np.where(score > 0.5, "churn", "stay"))
+            pcsv.write_csv(
+                pa.table(cols),
+                fh,
+                pcsv.WriteOptions(include_header=first, quoting_style="none"),
+            )
+            first = False
+            rows += n
+    return rows
+
+
+def config(csv: Path, root: Path, *, stream: bool, whole_table_party: bool):
+    from securevfl.config import parse_config
+
+    parties = (
+        {
+            "all": {"columns": NUMERIC[:-1] + CATEGORICAL + ["member"]},
+            "z": {"columns": NUMERIC[-1:]},
+        }
+        if whole_table_party
+        else {"a": {"columns": PARTY_A}, "b": {"columns": PARTY_B}}
+    )
+    raw = {
+        "run": {"method": "laser", "aggregation": "mask", "seed": 0},
+        "data": {
+            "path": str(csv),
+            "id": "customer",
+            "label": "outcome",
+            "positive": "churn",
+            "stream": stream,
+        },
+        "parties": parties,
+        "train": {"batch_size": 256},
+    }
+    return parse_config(raw, source=root / "config.toml")
+
+
+# ---------------------------------------------------------------------------------------------
+# the measured steps (run in a child process each)
+
+
+def step_split(csv: Path, root: Path, stream: bool) -> dict:
+    from securevfl.data.table import split_federation
+
+    cfg = config(csv, root, stream=stream, whole_table_party=False)
+    t = time.perf_counter()
+    files = split_federation(cfg, root / "split")
+    return {
+        "phases_s": {"split": time.perf_counter() - t},
+        "outputs_bytes": {r: p.stat().st_size for r, p in files.items()},
+    }
+
+
+def step_party(csv: Path, root: Path, stream: bool) -> dict:
+    import numpy as np
+
+    from securevfl.data.table import load_party_table, train_test_split
+    from securevfl.methods.blocks.nets import Standardizer
+
+    cfg = config(csv, root, stream=stream, whole_table_party=True)
+    phases = {}
+    t = time.perf_counter()
+    table = load_party_table(csv, cfg, "all", cache_dir=root / "cache")
+    phases["load"] = time.perf_counter() - t
+    train, _ = train_test_split(table.ids, test_fraction=0.2, seed=0)
+    t = time.perf_counter()
+    table.prepare(train)
+    phases["fit_encoding"] = time.perf_counter() - t
+    t = time.perf_counter()
+    scaler = Standardizer()
+    if table.streamed:
+        summary = table.column_summary(train)
+        scaler.mean = np.nan_to_num(summary["mean"])
+        scaler.std = np.where(np.nan_to_num(summary["std"]) > 1e-12, summary["std"], 1.0)
+    else:
+        scaler.fit(table.rows(train))
+    phases["fit_scaler"] = time.perf_counter() - t
+    t = time.perf_counter()
+    order = np.random.default_rng(0).permutation(train)
+    checksum = 0.0
+    for i in range(0, len(order), cfg.batch_size):
+        checksum += float(scaler.transform(table.rows(order[i : i + cfg.batch_size]))[0, 0])
+    phases["epoch"] = time.perf_counter() - t
+    return {
+        "phases_s": phases,
+        "rows_held": len(table),
+        "encoded_columns": len(table.columns),
+        "streamed": table.streamed,
+        "batches": -(-len(order) // cfg.batch_size),
+        "checksum": checksum,
+    }
+
+
+STEPS = {"split": step_split, "party": step_party}
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: one child per step, its peak memory
+
+
+def measure(step: str, csv: Path, root: Path, *, stream: bool, timeout: float) -> dict:
+    """Run `step` in a child; its peak RSS (ru_maxrss) and sampled anon/file-backed peaks."""
+    out = root / f"{step}.json"
+    cmd = [sys.executable, __file__, "--child", step, "--csv", str(csv), "--root", str(root)]
+    cmd += ["--stream" if stream else "--no-stream", "--result", str(out)]
+    t = time.perf_counter()
+    child = subprocess.Popen(cmd)
+    peaks = {"RssAnon": 0, "RssFile": 0, "VmRSS": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        status = Path(f"/proc/{child.pid}/status")
+        while not done.is_set():
+            try:
+                for line in status.read_text().splitlines():
+                    key, _, value = line.partition(":")
+                    if key in peaks:
+                        peaks[key] = max(peaks[key], int(value.split()[0]))
+            except (OSError, ValueError):
+                pass
+            done.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            child.kill()
+            pid, status, usage = os.wait4(child.pid, 0)
+            break
+        time.sleep(0.2)
+    done.set()
+    sampler.join()
+    seconds = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"step {step} failed (status {status}) after {seconds:.0f} s")
+    result = json.loads(out.read_text())
+    return {
+        "step": step,
+        "mode": "stream" if stream else "memory",
+        "seconds": round(seconds, 2),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "sampled_peak_rss_mb": round(peaks["VmRSS"] / 1024, 1),
+        "sampled_peak_anon_mb": round(peaks["RssAnon"] / 1024, 1),
+        "sampled_peak_file_mb": round(peaks["RssFile"] / 1024, 1),
+        **{k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items()},
+    }
+
+
+def run_size(gb: float, modes: list[bool], work: Path, timeout: float) -> list[dict]:
+    csv = work / f"table_{gb:g}gb.csv"
+    t = time.perf_counter()
+    rows = generate(csv, int(gb * 1e9))
+    size = csv.stat().st_size
+    print(
+        f"generated {csv.name}: {size / 1e9:.2f} GB, {rows} rows ({time.perf_counter() - t:.0f} s)"
+    )
+    runs = []
+    try:
+        for stream in modes:
+            for step in ("split", "party"):
+                root = work / f"{step}-{gb:g}-{stream}"
+                root.mkdir()
+                try:
+                    r = measure(step, csv, root, stream=stream, timeout=timeout)
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                r.update(
+                    file_bytes=size,
+                    rows=rows,
+                    mb_per_s=round(size / 1e6 / r["seconds"], 1),
+                    rows_per_s=round(rows / r["seconds"]),
+                    bytes_rss_per_row=round(r["peak_rss_mb"] * 2**20 / rows, 1),
+                )
+                print(json.dumps(r), flush=True)
+                runs.append(r)
+    finally:
+        csv.unlink(missing_ok=True)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=5.0, help="size of the streamed table (GB)")
+    ap.add_argument(
+        "--small-gb", type=float, default=0.5, help="size for streaming vs in memory (GB)"
+    )
+    ap.add_argument("--workdir", type=Path, default=None, help="(default: a temporary dir)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "stream_rss.json")
+    ap.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)
+    ap.add_argument("--csv", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--stream", action=argparse.BooleanOptionalAction, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        result = STEPS[args.child](args.csv, args.root, bool(args.stream))
+        args.result.write_text(json.dumps(result))
+        return
+    work = Path(tempfile.mkdtemp(prefix="stream-rss-", dir=args.workdir))
+    try:
+        runs = []
+        if args.small_gb > 0:
+            runs += run_size(args.small_gb, [True, False], work, args.timeout)
+        if args.gb > 0:
+            runs += run_size(args.gb, [True], work, args.timeout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    import pyarrow
+
+    report = {
+        "command": "python bench/stream_rss.py " + " ".join(sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "python": platform.python_version(),
+            "pyarrow": pyarrow.__version__,
+            "load_average_at_end": os.getloadavg(),
+        },
+        "notes": (
+            "peak_rss_mb: the child's ru_maxrss (resident set, anonymous and file-backed); "
+            "sampled_*: /proc/PID/status every 0.2 s. A streamed party's row cache is read "
+            "through memory maps whose pages are handed back to the kernel every 64 MiB, so "
+            "they stay in the page cache, not in the process."
+        ),
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""FALSE-VFL's active party: the global encoder q(z | h), the global decoder p(h | z), the
+discriminator p(y | h) and the schedule.
+
+Stage 1 (epochs ``0 .. stage1_epochs - 1``) maximises the importance-weighted bound of
+log p(x^obs) on every training row; a step is several pattern-homogeneous batches (each summed
+over the parties holding its rows) and one backward. Stage 2 freezes everything but the
+discriminator and maximises the conditional bound on the labeled rows only: since the parties'
+models no longer change, the importance samples (h, log w) of every epoch are drawn up front, in
+one encode and one decode per batch for up to `BANK_FLOATS` of them (the same distribution as
+drawing them each epoch, without summing the same rows again every epoch), and the epochs then
+run at the active party alone. Prediction is self-normalised importance sampling with
+``n_predict`` samples.
+
+Small groups. In secure modes a row whose present passive parties are fewer than ``min_group``
+cannot be summed: it is skipped in training (counted per epoch as ``skipped_rows``) and predicted
+at test time from the model's p(y) without any party's data (counted as ``n_fallback``). Plain
+aggregation sums any group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from securevfl.lazy import torch
+from securevfl.methods.base import ActiveContext, ActiveMethod, SumSpec
+from securevfl.methods.blocks.batches import chunks, pattern_batches, pattern_codes
+from securevfl.methods.blocks.nets import class_count, derived_seed
+from securevfl.metrics import task_metrics
+
+Group = tuple[str, ...]
+EVAL_ROWS = 512  # rows per sampling call: h is [rows, samples, d_h]
+PRIOR_SAMPLES = 1000
+BANK_FLOATS = 2**24  # stage 2 draws at most this many h values at a time (64 MiB)
+
+
+class FalseVFLActiveMethod(ActiveMethod):
+    """The active party of FALSE-VFL (see the module docstring)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from securevfl.methods.false_vfl.model import FalseVFLActive, config_from_options
+
+        cfg, opts = self.config, self.config.options
+        self.n_classes = class_count(cfg.task, self.table.labels)
+        self.model_cfg = config_from_options(opts)
+        self.model = FalseVFLActive(
+            self.n_classes, self.model_cfg, seed=derived_seed(cfg.seed, "false-vfl")
+        ).to(self.device)
+        wd = opts.weight_decay
+        self.gen_opt = torch.optim.Adam(
+            self.model.generative_parameters(), lr=opts.stage1_lr, weight_decay=wd
+        )
+        self.phi_opt = torch.optim.Adam(
+            self.model.discriminator.parameters(), lr=opts.stage2_lr, weight_decay=wd
+        )
+        self.first = "prec_mu" if self.model_cfg.aggregation == "poe" else "mu"
+        self.totals = {"skipped_rows": 0, "n_fallback": 0}
+        # stage 2's importance samples: (first epoch, epochs, row ids, h, log w)
+        self._bank: tuple[int, int, np.ndarray, Any, Any] | None = None
+
+    @property
+    def progress_total(self) -> int:
+        opts = self.config.options
+        return opts.stage1_epochs + opts.stage2_epochs
+
+    # --- batches and sums
+
+    def _groups(self, ctx: ActiveContext, ids: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        names = list(self.config.party_names)
+        return np.asarray(ctx.presence(ids), dtype=bool), names
+
+    def _steps(
+        self, ctx: ActiveContext, ids: np.ndarray, batch_size: int, epoch: int
+    ) -> tuple[list[list[tuple[np.ndarray, Group]]], int]:
+        """The epoch's steps, each a list of pattern-homogeneous batches (ids, group of present
+        parties) of about `batch_size` rows in all, and the number of rows left out because
+        their group may not be summed. Reproducible from (seed, epoch)."""
+        pres, names = self._groups(ctx, ids)
+        steps: list[list[tuple[np.ndarray, Group]]] = [[]]
+        size, skipped = 0, 0
+        for rows, pattern in pattern_batches(
+            ids, pres, batch_size=batch_size, seed=self.config.seed, epoch=epoch
+        ):
+            group = tuple(n for n, on in zip(names, pattern, strict=True) if on)
+            if not self._allowed(ctx, group):
+                skipped += len(rows)
+                continue
+            if size and size + len(rows) > batch_size:
+                steps.append([])
+                size = 0
+            steps[-1].append((rows, group))
+            size += len(rows)
+        return [s for s in steps if s], skipped
+
+    def _allowed(self, ctx: ActiveContext, group: Group) -> bool:
+        decode = tuple(ctx.parties) if self.model_cfg.mnar else group
+        return bool(group) and ctx.sum_allowed(group) and ctx.sum_allowed(decode)
+
+    def _posterior(
+        self, ctx: ActiveContext, ids: np.ndarray, group: Group, *, train: bool, epoch: int
+    ) -> dict[str, Any]:
+        """The round-1 sums over `group` (and the count, which the active party knows)."""
+        from securevfl.methods.false_vfl.model import SUM_COUNT
+
+        got = ctx.call(
+            "encode",
+            ids=ids,
+            args={"train": train, "epoch": epoch},
+            sums=[SumSpec(k, k, group) for k in (self.first, "prec")],
+        )
+        sums = {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}
+        sums[SUM_COUNT] = torch.full((len(ids),), float(len(group)))
+        return sums
+
+    def _loglik(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        group: Group,
+        h: Any,
+        *,
+        train: bool,
+        epoch: int,
+    ) -> tuple[dict[str, Any], Group]:
+        """The round-2 sums at samples h: over `group` (variant mar) or every party (mnar)."""
+        over = tuple(ctx.parties) if self.model_cfg.mnar else group
+        tensors = ("loglik", "dloglik_dh") if train else ("loglik",)
+        got = ctx.call(
+            "decode",
+            ids=ids,
+            args={"train": train, "epoch": epoch, "observed": list(group)},
+            inputs={"h": h.cpu().numpy()},
+            sums=[SumSpec(t, t, over) for t in tensors],
+        )
+        return {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}, over
+
+    def _log_weights(self, ctx: ActiveContext, ids: np.ndarray, group: Group, n_samples: int):
+        """(log w [n, S], h [n, S, d_h]) of the current (frozen) model, without gradients."""
+        sums = self._posterior(ctx, ids, group, train=False, epoch=0)
+        h = self.model.begin(sums, n_samples)
+        ll, _ = self._loglik(ctx, ids, group, h, train=False, epoch=0)
+        return self.model.finish_log_weights(ll["loglik"])
+
+    def _samples(self, ctx: ActiveContext, ids: np.ndarray, n_samples: int) -> Iterator[tuple]:
+        """(positions in `ids`, log w, h) per pattern-homogeneous chunk of rows, or (positions,
+        None, None) for rows whose group may not be summed."""
+        pres, names = self._groups(ctx, ids)
+        codes = pattern_codes(pres)
+        for code in np.unique(codes):
+            rows = np.flatnonzero(codes == code)
+            group = tuple(n for n, on in zip(names, pres[rows[0]], strict=True) if on)
+            if not self._allowed(ctx, group):
+                yield rows, None, None
+                continue
+            for part in chunks(rows, EVAL_ROWS):
+                yield (part, *self._log_weights(ctx, ids[part], group, n_samples))
+
+    # --- training
+
+    def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
+        opts = self.config.options
+        labeled = train_ids[self.table.labeled(train_ids)]
+        for epoch in range(ctx.start_epoch, opts.stage1_epochs + opts.stage2_epochs):
+            if epoch < opts.stage1_epochs:
+                stats = self._stage1_epoch(ctx, train_ids, epoch)
+            else:
+                stats = self._stage2_epoch(ctx, labeled, epoch)
+            if stats["skipped_rows"]:
+                ctx.log(
+                    f"false-vfl epoch {epoch + 1}: skipped {stats['skipped_rows']} rows whose "
+                    f"present passive parties are fewer than min_group = {self.config.min_group}"
+                )
+            self.totals["skipped_rows"] += int(stats["skipped_rows"])
+            ctx.epoch_done(epoch, stats=stats)
+
+    def _stage1_epoch(self, ctx: ActiveContext, ids: np.ndarray, epoch: int) -> dict[str, float]:
+        batch = self.config.options.stage1_batch
+        steps, skipped = self._steps(ctx, ids, batch, epoch)
+        loss_sum, rows = 0.0, 0
+        for step in steps:
+            n = sum(len(b) for b, _ in step)
+            loss_sum += self._stage1_step(ctx, step, epoch) * n
+            rows += n
+        return {
+            "stage": 1.0,
+            "loss": loss_sum / max(rows, 1),
+            "rows": float(rows),
+            "steps": float(len(steps)),
+            "batches": float(sum(len(s) for s in steps)),
+            "skipped_rows": float(skipped),
+        }
+
+    def _stage1_step(
+        self, ctx: ActiveContext, step: list[tuple[np.ndarray, Group]], epoch: int
+    ) -> float:
+        """One step of -L_kappa (the marginal bound) on the rows of `step`'s batches: every
+        model but the discriminator. Returns the step's mean loss."""
+        ids = np.concatenate([b for b, _ in step])
+        n, kappa = len(ids), self.model_cfg.kappa
+        self.gen_opt.zero_grad(set_to_none=True)
+        self.model.train()
+        # d loss / d each sum, per party, on the step's rows (0 where it did not contribute)
+        message: dict[str, dict[str, np.ndarray]] = {}
+        loss_sum, start = 0.0, 0
+        for b_ids, group in step:
+            rows = slice(start, start + len(b_ids))
+            start += len(b_ids)
+            sums = self._posterior(ctx, b_ids, group, train=True, epoch=epoch)
+            h = self.model.begin(sums, kappa, train=True)
+            ll, over = self._loglik(ctx, b_ids, group, h, train=True, epoch=epoch)
+            loss, grads = self.model.finish_stage1(
+                ll["loglik"], ll["dloglik_dh"], weight=len(b_ids) / n
+            )
+            loss_sum += float(loss) * len(b_ids)
+            for party in over:
+                keys = ("loglik", self.first, "prec") if party in group else ("loglik",)
+                mine = message.setdefault(party, {})
+                for key in keys:
+                    g = grads[key].cpu().numpy()
+                    full = mine.setdefault(f"d_{key}", np.zeros((n, *g.shape[1:]), np.float32))
+                    full[rows] = g
+        # parties with the same message get one call; label-free (stage 1 never reads y), but
+        # sent through the context like every gradient the active party returns
+        by_content: dict[tuple, list[str]] = {}
+        for party, tensors in message.items():
+            key = tuple((k, v.tobytes()) for k, v in sorted(tensors.items()))
+            by_content.setdefault(key, []).append(party)
+        ctx.return_gradients(
+            {tuple(ps): message[ps[0]] for ps in by_content.values()}, ids=ids, epoch=epoch
+        )
+        self.gen_opt.step()
+        return loss_sum / n
+
+    def _draw_bank(self, ctx: ActiveContext, ids: np.ndarray, epoch: int) -> int:
+        """Draw the importance samples of stage-2 epochs `epoch`.. for rows `ids` (as many epochs
+        as `BANK_FLOATS` allows); returns the number of batches summed."""
+        opts, kappa = self.config.options, self.model_cfg.kappa
+        left = opts.stage1_epochs + opts.stage2_epochs - epoch
+        per_epoch = max(1, len(ids) * kappa * self.model_cfg.d_h)
+        epochs = max(1, min(left, BANK_FLOATS // per_epoch))
+        keep, parts, calls = [], [], 0
+        for rows, log_w, h in self._samples(ctx, ids, epochs * kappa):
+            if log_w is not None:
+                keep.append(rows)
+                parts.append((log_w, h))
+                calls += 1
+        order = np.concatenate(keep) if keep else np.empty(0, dtype=np.int64)
+        log_w = torch.cat([w for w, _ in parts]) if parts else torch.zeros(0, epochs * kappa)
+        h = torch.cat([v for _, v in parts]) if parts else torch.zeros(0, epochs * kappa, 1)
+        self._bank = (epoch, epochs, ids[order], h, log_w)
+        return calls
+
+    def _stage2_epoch(self, ctx: ActiveContext, ids: np.ndarray, epoch: int) -> dict[str, float]:
+        """One epoch of -L'_kappa (the conditional bound) on the labeled rows `ids`: the
+        discriminator only, from this epoch's slice of the sample bank; parties receive h (when
+        the bank is drawn) and nothing else."""
+        opts, kappa = self.config.options, self.model_cfg.kappa
+        calls = 0
+        bank = self._bank
+        if bank is None or not bank[0] <= epoch < bank[0] + bank[1]:
+            calls = self._draw_bank(ctx, ids, epoch)
+            bank = self._bank
+        first, _, rows, h_all, lw_all = bank
+        cut = slice((epoch - first) * kappa, (epoch - first + 1) * kappa)
+        y_all = torch.as_tensor(self.table.label_rows(rows)).long()
+        rng = np.random.default_rng([self.config.seed, epoch, 0x57A2])
+        perm = rng.permutation(len(rows))
+        self.model.train()
+        loss_sum, steps = 0.0, 0
+        for start in range(0, len(perm), opts.stage2_batch):
+            b = torch.as_tensor(perm[start : start + opts.stage2_batch])
+            self.phi_opt.zero_grad(set_to_none=True)
+            loss = -self.model.conditional_bound(lw_all[b, cut], h_all[b, cut], y_all[b]).mean()
+            loss.backward()
+            self.phi_opt.step()
+            loss_sum += float(loss.detach()) * len(b)
+            steps += 1
+        return {
+            "stage": 2.0,
+            "loss": loss_sum / max(len(rows), 1),
+            "rows": float(len(rows)),
+            "steps": float(steps),
+            "batches": float(calls),
+            "skipped_rows": float(len(ids) - len(rows)),
+        }
+
+    # --- prediction
+
+    def predict_proba(self, ctx: ActiveContext, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(p(y | x^obs) [n, C], fallback [n] bool): rows whose group may not be summed get the
+        model's p(y) from no party's data."""
+        proba = np.zeros((len(ids), self.n_classes))
+        fallback = np.zeros(len(ids), dtype=bool)
+        self.model.eval()
+        with torch.no_grad():
+            for rows, log_w, h in self._samples(ctx, ids, self.model_cfg.n_predict):
+                if log_w is None:
+                    proba[rows] = self.model.prior_predictive(PRIOR_SAMPLES).cpu().numpy()
+                    fallback[rows] = True
+                else:
+                    proba[rows] = self.model.predict_proba(log_w, h).cpu().numpy()
+        return proba, fallback
+
+    def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
+        proba, fallback = self.predict_proba(ctx, ids)
+        log_p = np.log(np.clip(proba, 1e-12, 1.0))
+        task = self.config.task
+        output = log_p[:, 1] - log_p[:, 0] if task == "binary" else log_p
+        metrics: dict[str, Any] = task_metrics(
+            task, y_true=self.table.label_rows(ids), output=output
+        )
+        self.totals["n_fallback"] = int(fallback.sum())
+        metrics.update(n_eval=len(ids), n_fallback=int(fallback.sum()))
+        return metrics
+
+    # --- state
+
+    def summary(self) -> dict[str, Any]:
+        opts = self.config.options
+        return {
+            "false_vfl": {
+                "variant": opts.variant,
+                "aggregation": opts.aggregation,
+                "skipped_train_rows_total": self.totals["skipped_rows"],
+                "n_fallback": self.totals["n_fallback"],
+            }
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "gen_opt": self.gen_opt.state_dict(),
+            "phi_opt": self.phi_opt.state_dict(),
+            "generator": self.model.generator.get_state(),
+            "totals": dict(self.totals),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.gen_opt.load_state_dict(state["gen_opt"])
+        self.phi_opt.load_state_dict(state["phi_opt"])
+        self.model.generator.set_state(state["generator"])
+        self.totals = {k: int(v) for k, v in state["totals"].items()}

@@ -1,0 +1,181 @@
+"""FALSE-VFL's passive party: its encoder q(h | x^k), decoder p(x^k | h) and (variant mnar) mask
+model, trained in stage 1 from the gradients of the sums it contributed to.
+
+Operations (declared in `securevfl.methods.false_vfl.OPERATIONS`):
+
+* ``encode`` (args: train): this party's expert of the posterior on rows it must all hold;
+* ``decode`` (args: train, observed; input h [n, S, d_h]): its log-likelihood per row and sample,
+  and in training its gradient in h. ``observed`` says whether this party is among the rows'
+  present parties: variant mar is only ever asked on rows it holds; variant mnar also on rows it
+  lacks (or is told to treat as missing), where it contributes the mask log-likelihood of a
+  decoder sample, log P(m^k = 1 | x_hat^k), and reads none of its data;
+* ``backward`` (inputs ``d_<sum>``: d loss / d each sum it contributed to, on the rows of one
+  training step, which may span several encode/decode batches): one Adam step.
+
+A training step is pattern-homogeneous batches (each summed over its own group) and one backward
+over all their rows: the party keeps each batch's graph until that backward, which covers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from securevfl.lazy import torch
+from securevfl.methods.base import PartyMethod, UnknownOperation
+from securevfl.methods.blocks.nets import Standardizer, derived_seed
+
+METHOD = "false-vfl"
+
+
+class FalseVFLPartyMethod(PartyMethod):
+    """One passive party of FALSE-VFL (see the module docstring)."""
+
+    def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        from securevfl.methods.false_vfl.model import FalseVFLParty, config_from_options
+
+        opts = self.config.options
+        train = np.asarray(inputs["train_ids"])
+        # z-scores from the training rows this party holds (the paper z-scores every block)
+        self.scaler = Standardizer().fit(self.table.rows(train[self.table.has(train)]))
+        self._scaled = self.scaler.transform(self.table.values)
+        self.model_cfg = config_from_options(opts)
+        self.model = FalseVFLParty(
+            len(self.table.columns),
+            self.model_cfg,
+            seed=derived_seed(self.config.seed, METHOD),
+            name=self.name,
+        ).to(self.device)
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=opts.stage1_lr, weight_decay=opts.weight_decay
+        )
+        self.first = "prec_mu" if self.model_cfg.aggregation == "poe" else "mu"
+        self._pending: list[dict[str, Any]] = []  # the graphs of the current training step
+
+    # --- operations
+
+    def handle(
+        self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        train = bool(args.get("train", False))
+        if op == "encode":
+            return self._encode(ids, train=train)
+        if op == "decode":
+            if "h" not in inputs:
+                raise ValueError("decode needs the input h")
+            return self._decode(
+                ids, inputs["h"], train=train, observed=self.name in args.get("observed", ())
+            )
+        if op == "backward":
+            return self._backward(ids, inputs)
+        raise UnknownOperation(METHOD, op)
+
+    def _held_inputs(self, ids: np.ndarray, op: str) -> Any:
+        """This party's z-scored block of `ids`; refuses rows it does not hold, so that every
+        member of a sum's group really contributes its data to every row."""
+        held = self.table.has(ids)
+        if not held.all():
+            raise ValueError(
+                f"{op} of {int((~held).sum())} rows party {self.name!r} does not hold: a FALSE-VFL "
+                "sum is over the parties holding its rows"
+            )
+        return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
+
+    def _encode(self, ids: np.ndarray, *, train: bool) -> dict[str, np.ndarray]:
+        x = self._held_inputs(ids, "encode")
+        present = torch.ones(len(ids), dtype=torch.bool, device=self.device)
+        self.model.train(train)
+        with torch.set_grad_enabled(train):
+            contrib = self.model.posterior_contributions(x, present)
+        out = {k: contrib[k] for k in (self.first, "prec")}
+        if train:  # its graph waits for the decode and the step's backward
+            self._pending.append({"ids": ids.copy(), "posterior": out})
+        return {k: v.detach().cpu().numpy() for k, v in out.items()}
+
+    def _decode(
+        self, ids: np.ndarray, h: np.ndarray, *, train: bool, observed: bool
+    ) -> dict[str, np.ndarray]:
+        cfg = self.model_cfg
+        h_t = torch.tensor(np.asarray(h, dtype=np.float32), device=self.device)
+        if h_t.dim() != 3 or h_t.shape[0] != len(ids) or h_t.shape[2] != cfg.d_h:
+            raise ValueError(f"h must be [{len(ids)}, S, {cfg.d_h}], got {tuple(h_t.shape)}")
+        if observed:
+            x = self._held_inputs(ids, "decode")
+        elif cfg.mnar:  # the block is missing: only the mask model of decoder samples enters
+            x = torch.zeros(len(ids), self.model.d_in, device=self.device)
+        else:
+            raise ValueError("variant mar asks a party to decode only rows it holds (observed)")
+        present = torch.full((len(ids),), observed, dtype=torch.bool, device=self.device)
+        if not train:
+            with torch.no_grad():
+                c = self.model.loglik(x, present, h_t)
+            return {"loglik": c.cpu().numpy()}
+        if observed:
+            last = self._pending[-1] if self._pending else None
+            if last is None or "loglik" in last or not np.array_equal(last["ids"], ids):
+                raise RuntimeError("a training decode of rows that were not the last encode")
+            pending = last
+        else:
+            pending = {"ids": ids.copy()}
+            self._pending.append(pending)
+        self.model.train()
+        h_leaf = h_t.requires_grad_(True)
+        c = self.model.loglik(x, present, h_leaf)
+        # c of row i, sample j depends on h[i, j] only: this gradient is the whole Jacobian
+        (dc_dh,) = torch.autograd.grad(c.sum(), h_leaf, retain_graph=True, allow_unused=True)
+        dc_dh = torch.zeros_like(h_leaf) if dc_dh is None else dc_dh
+        pending["loglik"] = c
+        return {"loglik": c.detach().cpu().numpy(), "dloglik_dh": dc_dh.detach().cpu().numpy()}
+
+    def _backward(self, ids: np.ndarray, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Apply d loss / d each sum to the graphs of the step's batches (rows `ids` cover them;
+        rows of batches this party was not in carry no gradient for it) and step once."""
+        pending, self._pending = self._pending, []
+        if not pending or any("loglik" not in entry for entry in pending):
+            raise RuntimeError("backward without a complete training encode/decode")
+        wanted = {"d_loglik"} | (
+            {f"d_{self.first}", "d_prec"} if any("posterior" in e for e in pending) else set()
+        )
+        if set(inputs) != wanted:
+            raise ValueError(
+                f"backward carries {sorted(inputs)}; this party needs {sorted(wanted)}"
+            )
+        order = {int(r): i for i, r in enumerate(ids.tolist())}
+        grads = {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in inputs.items()}
+        tensors, outs = [], []
+        for entry in pending:
+            try:
+                rows = torch.as_tensor([order[int(r)] for r in entry["ids"]], dtype=torch.long)
+            except KeyError:
+                raise ValueError("backward rows do not cover the step's batches") from None
+            for key, out in {"loglik": entry["loglik"], **entry.get("posterior", {})}.items():
+                g = grads[f"d_{key}"][rows].to(self.device)
+                if g.shape != out.shape:
+                    raise ValueError(f"d_{key} has shape {tuple(g.shape)}, not {tuple(out.shape)}")
+                tensors.append(out)
+                outs.append(g)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(tensors, outs)
+        self.optimizer.step()
+        return {}
+
+    # --- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "generator": self.model.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self._scaled = self.scaler.transform(self.table.values)
+        self.model.generator.set_state(state["generator"])
+        self._pending = []

@@ -1,0 +1,226 @@
+"""FALSE-VFL as a method of the engine (`method = "false-vfl"`) and its vanilla VFL baseline
+(`method = "vanilla-vfl"`): training and prediction through the kit on plain and mask, mask
+agreeing with plain, the secure sums decoding to the plaintext sums, no posterior or likelihood
+ever summed over fewer than min_group parties (or over a party lacking the rows), the labeled
+budget, refusals, and a ckks run over real processes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from securevfl.config import ConfigError
+from securevfl.data.table import write_csv
+from securevfl.direct import DirectFederation
+from tests.securevfl.conftest import make_config, securevfl_cli, write_toml
+
+PARTIES = ("p0", "p1", "p2", "p3")
+FAST = {
+    "d_h": 4,
+    "d_z": 2,
+    "hidden": [16],
+    "mask_hidden": [8],
+    "disc_hidden": [16],
+    "kappa": 4,
+    "n_predict": 16,
+    "stage1_epochs": 10,
+    "stage2_epochs": 10,
+    "stage1_batch": 16,
+    "stage2_batch": 16,
+    "stage1_lr": 0.01,
+    "stage2_lr": 0.01,
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops: torch's intra-op threads only add contention on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def block_csv(path, *, n: int = 400, seed: int = 0, single: float = 0.0) -> None:
+    """Four blocks of two columns driven by one latent (so every block predicts the label and the
+    others), each block missing with probability 0.3 but every row keeping two blocks, except a
+    fraction `single` of rows that keep exactly one; the first 60 rows are complete."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(size=(n, 2))
+    x = np.concatenate(
+        [u @ rng.normal(size=(2, 2)) + 0.3 * rng.normal(size=(n, 2)) for _ in PARTIES], 1
+    )
+    y = (u[:, 0] + 0.5 * u[:, 1] > 0).astype(float)
+    present = rng.random((n, len(PARTIES))) >= 0.3
+    for i in range(n):
+        while present[i].sum() < 2:
+            present[i, rng.integers(len(PARTIES))] = True
+        if i >= 60 and rng.random() < single:
+            present[i] = False
+            present[i, rng.integers(len(PARTIES))] = True
+    present[:60] = True
+    for k in range(len(PARTIES)):
+        x[~present[:, k], 2 * k : 2 * k + 2] = np.nan
+    cols = [f"X{i + 1}" for i in range(2 * len(PARTIES))]
+    write_csv(
+        path, id_column="ID", ids=np.arange(1, n + 1), columns=cols, values=x, label="Y", labels=y
+    )
+
+
+def raw_config(directory, *, aggregation: str = "plain", single: float = 0.0, **options) -> dict:
+    block_csv(directory / "data.csv", single=single)
+    return {
+        "run": {"method": "false-vfl", "aggregation": aggregation, "seed": 3, "min_group": 2},
+        "data": {"path": "data.csv", "task": "binary", "test_fraction": 0.5},
+        "active": {"columns": []},
+        "parties": {
+            p: {"columns": [f"X{2 * k + 1}", f"X{2 * k + 2}"]} for k, p in enumerate(PARTIES)
+        },
+        "missing": {"labeled": 80, "aligned": 20},
+        "method": {**FAST, **options},
+    }
+
+
+def federation(tmp_path, name: str, raw: dict) -> DirectFederation:
+    d = tmp_path / name
+    d.mkdir()
+    raw = copy.deepcopy(raw)
+    raw["data"]["path"] = str(tmp_path / "data.csv")
+    cfg = make_config(raw, d)
+    return DirectFederation(cfg, run_dir=d / "run")
+
+
+def test_trains_on_plain_and_mask_which_agree_and_decode_the_plaintext_sums(tmp_path):
+    raw = raw_config(tmp_path)
+    out = {}
+    for aggregation in ("plain", "mask"):
+        raw["run"]["aggregation"] = aggregation
+        fed = federation(tmp_path, aggregation, raw)
+        out[aggregation] = (fed.run(), fed)
+    (plain, _), (mask, fed) = out["plain"], out["mask"]
+    assert plain["accuracy"] > 0.8, plain
+    # the same seed trains the same model: fixed-point sums differ by 2^-20 at most
+    assert mask["accuracy"] == pytest.approx(plain["accuracy"], abs=0.01)
+    assert plain["n_fallback"] == mask["n_fallback"] == 0
+    for a, b in zip(out["plain"][1].history, fed.history, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+    assert {s.tensor for s, _, _ in fed.sums} == {"prec_mu", "prec", "loglik", "dloglik_dh"}
+    for spec, plaintext, decoded in fed.sums:
+        assert np.allclose(decoded, plaintext, atol=len(spec.group) * 2.0**-20), spec
+
+
+@pytest.mark.parametrize("variant", ["mar", "mnar"])
+def test_sums_are_over_present_groups_of_at_least_min_group(tmp_path, variant):
+    """No party's posterior or likelihood is ever alone in a sum: every encode sum is over the
+    parties holding all its rows (>= min_group of them); decode sums are over the same group
+    (mar) or every party (mnar); single-party rows are skipped in training and fall back at
+    test time, where plain aggregation predicts them."""
+    raw = raw_config(tmp_path, aggregation="mask", single=0.15, variant=variant, stage1_epochs=2)
+    raw["method"].update(stage2_epochs=1)
+    fed = federation(tmp_path, "mask", raw)
+    metrics = fed.run()
+    assert all(h["skipped_rows"] > 0 for h in fed.history)
+    test_single = int((fed.presence(fed.test_ids).sum(1) == 1).sum())
+    assert test_single > 0 and metrics["n_fallback"] == test_single
+    n_sums = 0
+    for op, to, sums, ids in fed.calls:
+        for spec in sums:
+            n_sums += 1
+            assert len(spec.group) >= 2, (op, spec)
+            holders = tuple(p for p in PARTIES if fed.tables[p].has(ids).all())
+            if op == "encode" or variant == "mar":
+                assert spec.group == holders, (op, spec, holders)
+            else:
+                assert spec.group == PARTIES, (op, spec)
+        if op == "backward":  # gradients go to the parties that contributed to the sums
+            assert set(to) <= set(PARTIES)
+    assert n_sums > 0
+    raw["run"]["aggregation"] = "plain"
+    assert federation(tmp_path, "plain", raw).run()["n_fallback"] == 0
+
+
+def test_labeled_budget_stage2_and_metrics(tmp_path):
+    """Stage 1 reads every training row (unlabeled ones too), stage 2 only the labeled rows,
+    prediction only the test rows; the labels of unlabeled rows are empty at the active party."""
+    raw = raw_config(tmp_path, stage1_epochs=1, stage2_epochs=1)
+    fed = federation(tmp_path, "budget", raw)
+    table = fed.active_table
+    labeled = fed.train_ids[table.labeled(fed.train_ids)]
+    assert len(labeled) == 80 and table.labeled(fed.test_ids).all()
+    assert np.isnan(table.label_rows(fed.train_ids[~table.labeled(fed.train_ids)])).all()
+    fed.fit()
+    encodes = [ids for op, _, _, ids in fed.calls if op == "encode"]
+    last_backward = max(i for i, c in enumerate(fed.calls) if c[0] == "backward")
+    stage1 = np.concatenate([c[3] for c in fed.calls[:last_backward] if c[0] == "encode"])
+    stage2 = np.concatenate([c[3] for c in fed.calls[last_backward:] if c[0] == "encode"])
+    assert len(np.setdiff1d(stage1, labeled)) > 0  # unlabeled rows train stage 1
+    assert np.isin(stage2, labeled).all() and len(np.unique(stage2)) == len(labeled)
+    n_calls = len(fed.calls)
+    metrics = fed.method.evaluate(fed, ids=fed.test_ids)
+    evaluated = np.concatenate([ids for op, _, _, ids in fed.calls[n_calls:] if op == "encode"])
+    assert np.isin(evaluated, fed.test_ids).all() and metrics["n_eval"] == len(fed.test_ids)
+    assert len(encodes) > 0 and np.isfinite(fed.history[-1]["loss"])
+
+
+def test_refusals(tmp_path):
+    raw = raw_config(tmp_path)
+    bad = copy.deepcopy(raw)
+    bad["active"]["columns"] = ["X1"]
+    bad["parties"]["p0"]["columns"] = ["X2"]
+    with pytest.raises(ConfigError, match=r"\[active\] columns"):
+        make_config(bad, tmp_path)
+    for key, value in (("variant", "mcar"), ("aggregation", "sum"), ("kappa", 0)):
+        bad = copy.deepcopy(raw)
+        bad["method"][key] = value
+        with pytest.raises(ConfigError, match=rf"\[method\] {key}"):
+            make_config(bad, tmp_path)
+    bad = copy.deepcopy(raw)
+    bad["parties"]["p0"]["dp_sgd"] = {"clip": 1.0, "noise_multiplier": 1.0}
+    with pytest.raises(ConfigError, match="dp_sgd"):
+        make_config(bad, tmp_path)
+    cfg = make_config(copy.deepcopy(raw), tmp_path)
+    assert cfg.options.aggregation == "poe" and cfg.options.variant == "mar"
+
+
+def test_vanilla_vfl_trains_on_aligned_rows_and_zero_fills_at_test(tmp_path):
+    raw = raw_config(tmp_path, aggregation="mask", single=0.15)
+    raw["run"]["method"] = "vanilla-vfl"
+    del raw["method"]
+    raw["train"] = {"epochs": 30, "batch_size": 16, "lr": 0.01}
+    raw["model"] = {"hidden": [16], "width": 8, "head_hidden": [8]}
+    fed = federation(tmp_path, "vanilla", raw)
+    labeled = fed.train_ids[fed.active_table.labeled(fed.train_ids)]
+    fed.fit()
+    n_calls = len(fed.calls)
+    metrics = fed.method.evaluate(fed, ids=fed.test_ids)
+    trained = np.concatenate([ids for op, _, _, ids in fed.calls[:n_calls] if op == "forward"])
+    assert np.isin(trained, labeled).all()
+    assert fed.presence(trained).all()  # fully aligned rows only
+    predicted = [c for c in fed.calls[n_calls:] if c[0] == "forward"]
+    assert predicted and all(s.group == PARTIES for _, _, sums, _ in predicted for s in sums)
+    assert any(not fed.presence(ids).all() for _, _, _, ids in predicted)  # zero-filled rows
+    test_single = int((fed.presence(fed.test_ids).sum(1) == 1).sum())
+    assert metrics["n_fallback"] == test_single > 0
+    assert metrics["accuracy"] > 0.7, metrics
+
+
+@pytest.mark.multiprocess
+def test_ckks_over_processes_agrees_with_plain(tmp_path):
+    small = {"stage1_epochs": 6, "stage2_epochs": 4, "stage2_batch": 32}
+    raw = raw_config(tmp_path, **small, stage1_lr=0.02, stage2_lr=0.02)
+    plain = federation(tmp_path, "plain", raw).run()
+    raw["run"]["aggregation"] = "ckks"
+    raw["network"] = {"heartbeat_interval": 0.2, "peer_timeout": 5.0, "round_timeout": 60.0}
+    config = write_toml(raw, tmp_path / "ckks.toml")
+    done = securevfl_cli("run", str(config), "--out", str(tmp_path / "ckks"), timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckks = json.loads((tmp_path / "ckks" / "metrics.json").read_text())
+    assert ckks["aggregation"] == "ckks" and ckks["test"]["n_eval"] == plain["n_eval"]
+    assert plain["accuracy"] > 0.8, plain
+    assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.01)

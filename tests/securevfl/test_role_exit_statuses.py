@@ -1,0 +1,212 @@
+"""Every role ends with a status of the one table (`securevfl.errors.EXIT_STATUSES`): the role
+that meets a stop and every role it stops, whichever command started them."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from securevfl import cli
+from securevfl.errors import (
+    EXIT_BUDGET,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_REFUSED,
+    EXIT_STATUSES,
+    EXIT_USAGE,
+    BudgetExceeded,
+    DataError,
+    PolicyRefusal,
+    RunAborted,
+)
+from securevfl.roles import protocol as P
+from securevfl.threads import THREAD_VARS
+from tests.securevfl.conftest import make_config
+from tests.securevfl.test_cli_mistakes import PARTIES, make_setup
+from transport import Envelope
+
+ROLE_FUNCTIONS = {
+    "aggregator": ("securevfl.roles.aggregator", "run_aggregator"),
+    "active": ("securevfl.roles.active", "run_active"),
+    "party": ("securevfl.roles.party", "run_party"),
+}
+
+
+def budget() -> BudgetExceeded:
+    return BudgetExceeded(
+        role="beta", mechanism="embedding_dp", max_epsilon=1.0, epsilon=1.2, delta=1e-5, epoch=3
+    )
+
+
+STOPS = [
+    ("budget", budget, EXIT_BUDGET),
+    ("budget elsewhere", lambda: RunAborted("beta ran out", lost="beta", budget=True), EXIT_BUDGET),
+    ("lost", lambda: RunAborted("lost beta", lost="beta"), EXIT_PEER_LOST),
+    ("refusal", lambda: PolicyRefusal("beta", "min_group", "too small"), EXIT_REFUSED),
+    ("refusal elsewhere", lambda: RunAborted("beta refused", refused=True), EXIT_REFUSED),
+    ("data", lambda: DataError("row 7 of beta.csv is not a number"), EXIT_USAGE),
+    ("internal", lambda: RuntimeError("a bug"), EXIT_ERROR),
+    ("interrupted", KeyboardInterrupt, EXIT_INTERRUPTED),
+]
+
+
+@pytest.mark.parametrize("command", sorted(ROLE_FUNCTIONS))
+@pytest.mark.parametrize(("make", "status"), [pytest.param(m, s, id=i) for i, m, s in STOPS])
+def test_each_role_command_ends_with_the_status_of_its_stop(
+    tmp_path, monkeypatch, capsys, command, make, status
+):
+    import importlib
+
+    for var in THREAD_VARS:
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    module, name = ROLE_FUNCTIONS[command]
+
+    def stopped(*args, **kwargs):
+        raise make()
+
+    monkeypatch.setattr(importlib.import_module(module), name, stopped)
+    s = make_setup(tmp_path)
+    argv = s.role(command, name="alpha") if command == "party" else s.role(command)
+    if command == "active":
+        argv += ["--data", str(tmp_path / "data.csv")]
+    assert cli.main(argv) == status
+    assert status in EXIT_STATUSES
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("where", ["active", "party"])
+def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypatch, where):
+    """The role whose budget ran out, the aggregator it reports to and every role the
+    aggregator stops: all 3, as the README says (they used to end with 4, "lost")."""
+    import securevfl.launcher
+    from securevfl.inproc import run_federation
+
+    raw, d = small_federation
+    raw["train"]["epochs"] = 3
+    if where == "active":
+        raw["privacy"] = {"label_dp": {"noise_multiplier": 2.0, "clip": 1.0}}
+        raw["active"]["max_epsilon"] = 2.5  # two epochs fit, the third does not
+    else:
+        raw["parties"]["beta"]["embedding_dp"] = {"noise_multiplier": 2.0, "clip": 1.0}
+        raw["parties"]["beta"]["max_epsilon"] = 2.5
+    seen: dict[str, int] = {}
+    overall = securevfl.launcher.overall_status
+
+    def record(codes, **kwargs):
+        seen.update(codes)
+        return overall(codes, **kwargs)
+
+    monkeypatch.setattr(securevfl.launcher, "overall_status", record)
+    code, metrics = run_federation(make_config(raw, d), out=d / "run")
+    assert code == EXIT_BUDGET and metrics is None
+    assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], EXIT_BUDGET)
+
+
+class _Cfg:
+    role_names = ("active", "alpha", "beta")
+
+
+def _stop(meta: dict, kind: str = P.ABORT) -> RunAborted:
+    from securevfl.roles.connection import RoleConnection
+
+    conn = RoleConnection(
+        cfg=_Cfg(),  # type: ignore[arg-type]
+        name="alpha",
+        peer=None,  # type: ignore[arg-type]
+        secrets=None,  # type: ignore[arg-type]
+        public=None,  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        nonce="",
+    )
+    return conn._stopped(Envelope(kind=kind, sender="aggregator", meta=meta))
+
+
+def test_an_abort_carries_the_status_of_its_cause():
+    assert _stop({"reason": "x", "lost": "beta", "budget": True}).exit_code == EXIT_BUDGET
+    assert _stop({"reason": "x", "lost": "beta", "refused": True}).exit_code == EXIT_REFUSED
+    assert _stop({"reason": "x", "lost": "beta"}).exit_code == EXIT_PEER_LOST
+    assert _stop({"reason": "x"}).exit_code == EXIT_ERROR
+    assert _stop({"reason": "x", "role": "beta", "budget": True}, P.ERROR).exit_code == 3
+    assert _stop({"reason": "x", "lost": "beta", "budget": "yes"}).exit_code == EXIT_PEER_LOST
+
+
+def test_an_abort_from_a_hostile_aggregator_reaches_logs_escaped_and_bounded():
+    stop = _stop(
+        {"reason": "ok\n2030-01-01 alpha INFO forged \x1b[31m" + "A" * 5000, "lost": "x\n"}
+    )
+    text = str(stop)
+    assert "\n" not in text and "\x1b" not in text and "\\n" in text and len(text) < 1100
+    assert stop.lost == "aggregator"  # a name no role has: the sender is blamed
+    assert (
+        str(_stop({"reason": ["not", "text"], "lost": "beta"})) == "the run was aborted (beta lost)"
+    )
+
+
+def _log_time(line: str) -> float:
+    from datetime import datetime
+
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["keys of another run", "a key not in the allowlist"])
+def test_a_party_with_the_wrong_key_exits_2_within_seconds_naming_the_key(tmp_path, case):
+    """Item 5: not after the 120 s start-up timeout, but as soon as the handshake fails, with
+    one line that names the key (its SHA256 fingerprint); the hub logs the refused key."""
+    import json
+    import shutil
+    import time
+
+    from securevfl.keys import generate_keys, load_public, load_secrets
+    from tests.securevfl.conftest import securevfl_cli
+    from transport import Allowlist, Hub
+
+    s = make_setup(tmp_path)
+    other = tmp_path / "other-keys"
+    generate_keys(["active", "alpha", "beta", "gamma"], other)
+    if case == "a key not in the allowlist":  # the real hub's key, its own unlisted key
+        public = json.loads((other / "public.json").read_text())
+        real = json.loads((s.keys / "public.json").read_text())
+        public["roles"]["aggregator"] = real["roles"]["aggregator"]
+        (other / "public.json").write_text(json.dumps(public))
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    hub_logger = logging.getLogger("test.wrong-key-hub")
+    hub_logger.addHandler(Collect())
+    public = load_public(s.keys)
+    hub = Hub(
+        name="aggregator",
+        bind="tcp://127.0.0.1:*",
+        keypair=load_secrets(s.keys, "aggregator").curve,
+        allowlist=Allowlist({r: public.curve_public(r) for r in ("active", *PARTIES)}),
+        kinds=P.KINDS,
+        heartbeat_interval=0.3,
+        peer_timeout=20.0,
+        logger=hub_logger,
+    )
+    try:
+        argv = s.role("party", "--keys", str(other), "--address", hub.endpoint, name="alpha")
+        done = securevfl_cli(*argv, timeout=120)
+        ended = time.time()
+    finally:
+        hub.close()
+        shutil.rmtree(other)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("securevfl alpha: ") and "SHA256:" in line, done.stderr
+    assert ("another run" in line) if case == "keys of another run" else ("refused" in line)
+    log = (s.out / "logs" / "alpha.log").read_text().splitlines()
+    connecting = next(x for x in log if "connecting to the aggregator" in x)
+    waited = ended - _log_time(connecting)
+    print(f"{case}: exited {waited:.2f} s after connecting")
+    assert waited < 10.0, "the wrong key was found late"
+    if case == "a key not in the allowlist":
+        assert any("not in the federation allowlist" in r and "SHA256:" in r for r in records)
