@@ -84,6 +84,8 @@ class TabVFLActive(Schedule):
         self.guest_dims: list[int] | None = None
         self.cache = FailureCache()
         self.tally["offline"] = {p: 0 for p in PHASES}  # guest-epochs served by the fill
+        # guest-batches of training served by each fill (simulated offline or lost for good)
+        self.tally["filled"] = {p: {"cache": 0, "zeros": 0} for p in PHASES}
 
     def _build(self, dims: Sequence[int]) -> None:
         from securevfl.methods.tabvfl.split import TabVFLHost
@@ -161,12 +163,18 @@ class TabVFLActive(Schedule):
                     cached = self.cache.get(phase, p, position)
                 elif (mean := self.cache.mean(p, "h")) is not None:
                     cached = {"h": np.tile(mean.astype(np.float32), (rows, 1))}
-            if cached is not None and cached["h"].shape[0] == rows:
+            served = cached is not None and cached["h"].shape[0] == rows
+            if served:
                 hs.append(cached["h"])
                 priors.append(cached.get("prior", np.ones((rows, d), np.float32)))
             else:  # zeros: and in pretraining every column of the guest counts as hidden
                 hs.append(np.zeros((rows, d), np.float32))
                 priors.append(np.zeros((rows, d), np.float32))
+            if position is not None:
+                filled = self.tally.setdefault("filled", {}).setdefault(
+                    phase, {"cache": 0, "zeros": 0}
+                )
+                filled["cache" if served else "zeros"] += 1
         return hs, priors
 
     def _ensure_host(self, got: Mapping[str, Mapping[str, np.ndarray]]) -> None:
