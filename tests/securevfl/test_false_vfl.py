@@ -224,3 +224,28 @@ def test_ckks_over_processes_agrees_with_plain(tmp_path):
     assert ckks["aggregation"] == "ckks" and ckks["test"]["n_eval"] == plain["n_eval"]
     assert plain["accuracy"] > 0.8, plain
     assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.01)
+
+
+def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
+    """bench/false_vfl.py trains FALSE-VFL's accuracy grid through the single-process reference
+    on the federation's own rows: its blocks are each party's z-scored rows (what `encode`
+    reads), 0 where the party lacks the row, and its presence is the active party's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "false_vfl.py"
+    spec = importlib.util.spec_from_file_location("bench_false_vfl", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fed = federation(tmp_path, "ref", raw_config(tmp_path, single=0.15))
+    ids = np.concatenate([fed.train_ids, fed.test_ids])
+    xs, present = bench.party_blocks(fed, ids)
+    assert present.numpy().tolist() == np.asarray(fed.presence(ids)).tolist()
+    assert not present.all() and present.any(1).all()
+    for k, name in enumerate(PARTIES):
+        method = fed.party_methods[name]
+        held = present[:, k].numpy()
+        assert np.array_equal(held, method.table.has(ids))
+        read = method._held_inputs(ids[held], "encode").numpy()
+        assert np.array_equal(xs[k].numpy()[held], read)
+        assert (xs[k].numpy()[~held] == 0).all()
