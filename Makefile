@@ -32,9 +32,9 @@ test-slow: install
 lint: install
 	$(BIN)/ruff check crypto transport securevfl tests bench
 
+# the whole report (bench/results/report/report.md); `make bench QUICK=1` for the smoke-sized one
 bench: install
-	$(BIN)/python bench/masked_sum_curve.py --out bench/results/masked_sum.json
-	$(BIN)/python bench/overhead.py --out bench/results/overhead.json
+	$(BIN)/securevfl bench $(if $(QUICK),--quick --out bench/results/report/quick,--out bench/results/report)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

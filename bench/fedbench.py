@@ -263,6 +263,7 @@ def run_federation(
         "load_after": loadavg(),
         "peak_rss_mib": {r: round(u.ru_maxrss / 1024, 1) for r, (_, u) in reaped.items()},
         "cpu_seconds": {r: round(u.ru_utime + u.ru_stime, 3) for r, (_, u) in reaped.items()},
+        "pids": {r: p.pid for r, p in procs.items()},
         "proxy": proxy.summary() if proxy is not None else None,
     }
     metrics_path = out / cfg.active_name / "metrics.json"
@@ -385,9 +386,9 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
     opts = [make_optimizer(e.parameters(), cfg) for e in encoders.values()]
     opts.append(make_optimizer(head.parameters(), cfg))
     # each role reads its rows by id per batch (positions + scaling): the same work here
-    epoch_seconds = []
+    epoch_seconds, epoch_cpu = [], []
     for epoch in range(cfg.epochs):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
             s = sum(
                 encoders[p](torch.from_numpy(scalers[p].transform(parties[p].rows(ids))))
@@ -402,6 +403,7 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
             for o in opts:
                 o.step()
         epoch_seconds.append(time.perf_counter() - started)
+        epoch_cpu.append(time.process_time() - cpu_started)
     with torch.no_grad():
         s = sum(
             encoders[p](torch.from_numpy(scalers[p].transform(parties[p].rows(test_ids))))
@@ -411,6 +413,8 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
     return {
         "epoch_seconds": [round(x, 4) for x in epoch_seconds],
         "median_epoch_seconds": float(np.median(epoch_seconds)),
+        # this process's CPU time per epoch: on a loaded machine its wall time also counts waits
+        "epoch_cpu_seconds": [round(x, 4) for x in epoch_cpu],
         "threads": threads,
         "test": test,
     }
@@ -423,6 +427,7 @@ def run_centralised(prep: Prepared, raw: Mapping[str, Any], out: Path) -> dict[s
     files = out / "centralised-files.json"
     files.write_text(json.dumps({r: str(p) for r, p in prep.files.items()}))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    load_before = loadavg()
     p = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "centralised", str(cfg_path), str(files)],
         env=env,
@@ -440,6 +445,7 @@ def run_centralised(prep: Prepared, raw: Mapping[str, Any], out: Path) -> dict[s
     result = json.loads(stdout.strip().splitlines()[-1])
     result["ok"] = True
     result["peak_rss_mib"] = result.pop("self_peak_rss_mib", None)
+    result["load_before"] = load_before
     return result
 
 

@@ -59,6 +59,8 @@ class ProxyStats:
     bytes_up: int = 0  # client -> target
     bytes_down: int = 0  # target -> client
     max_lateness_s: float = 0.0  # how late a chunk left after its release time (scheduling)
+    lateness_sum_s: float = 0.0  # over every forwarded chunk: the mean is the proxy's own delay
+    chunks: int = 0
     links: list[Link] = field(default_factory=list)
 
 
@@ -137,6 +139,8 @@ class WanProxy:
                     late = loop.time() - release
                     if late > self.stats.max_lateness_s:
                         self.stats.max_lateness_s = late
+                    self.stats.lateness_sum_s += max(0.0, late)
+                    self.stats.chunks += 1
                     if up:  # counted before the write: the far side may read it at once
                         self.stats.bytes_up += len(data)
                     else:
@@ -236,6 +240,10 @@ class WanProxy:
             "bytes_up": self.stats.bytes_up,
             "bytes_down": self.stats.bytes_down,
             "max_lateness_ms": round(1000 * self.stats.max_lateness_s, 3),
+            "mean_lateness_ms": round(
+                1000 * self.stats.lateness_sum_s / max(1, self.stats.chunks), 3
+            ),
+            "chunks": self.stats.chunks,
         }
 
 

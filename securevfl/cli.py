@@ -178,6 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: RUN_DIR/data/<active>.csv)",
     )
 
+    bench = sub.add_parser(
+        "bench",
+        help="the benchmark report: overhead, WAN, scaling, privacy-utility, crypto, GPU "
+        "(needs the source checkout's bench/)",
+    )
+    bench.add_argument("--quick", action="store_true", help="smoke-sized: fewer points, one repeat")
+    bench.add_argument("--out", type=Path, help="report directory (default: bench/results/report)")
+    bench.add_argument("--only", help="comma-separated suites: credit,scaling,privacy_utility,...")
+    bench.add_argument("--data", type=Path, help="the Credit table (credit_default.csv)")
+    bench.add_argument("--work", type=Path, help="keep the run directories here (default: temp)")
+    bench.add_argument("--render", action="store_true", help="only re-render OUT/report.md")
+    bench.add_argument(
+        "--budget-minutes", type=float, help="start no new run after this many minutes"
+    )
+
     for command in sub.choices.values():  # `securevfl run ... --debug` as well as before it
         command.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
@@ -254,6 +269,15 @@ def _preflight_run(args: argparse.Namespace) -> None:
     check_run(cfg, out=args.out, resume=args.resume)
 
 
+def _bench_argv(args: argparse.Namespace) -> list[str]:
+    """`securevfl bench`'s options as `bench/report.py` takes them."""
+    argv = ["--quick"] if args.quick else []
+    for flag in ("out", "only", "data", "work", "budget_minutes"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv + (["--render"] if args.render else [])
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from securevfl.launcher import launch
@@ -291,6 +315,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _align(args)
     if args.command == "example":
         return _example(args)
+    if args.command == "bench":
+        from securevfl.bench_cmd import run_bench
+
+        return run_bench(_bench_argv(args))
     if args.command == "predict":
         from securevfl.launcher import score_rows
 

@@ -202,6 +202,12 @@ class Aggregator:
                     waiting_for=f"round {env.round} contributions from {waiting}",
                 )
             except P.RunAborted as exc:
+                if exc.lost is None and not exc.refused and self.tolerates_dropout:
+                    # silent past the round deadline while its heartbeat goes on: lost to this
+                    # run like a party whose heartbeat stopped (told so, then dropped)
+                    late = self._drop_late(waiting, env, exc)
+                    self._send(self.active, self.rounds.lost(call, late, delivered=True))
+                    return
                 if not self._drop(exc):
                     raise
                 if exc.lost in call.to:
@@ -237,6 +243,24 @@ class Aggregator:
                 accepted[key][reply.sender] = value
             replies[reply.sender] = reply
         self._send(self.active, self.rounds.result(call, replies, accepted))
+
+    def _drop_late(self, late: list[str], env: Envelope, timeout: P.RunAborted) -> list[str]:
+        """Drop the parties that missed round `env.round`'s deadline, each told by an ABORT
+        that names it (it stops with "lost" rather than wait for calls that never come).
+        Raises `timeout` when no party would be left."""
+        if not set(self.parties - self.dead - set(late)):
+            raise timeout
+        for party in late:
+            reason = (
+                f"{party!r} did not answer round {env.round} within [network] round_timeout "
+                f"({self.cfg.round_timeout:g} s); the run goes on without it"
+            )
+            try:
+                self._reply(party, P.ABORT, env, meta={"reason": reason, "lost": party})
+            except TransportError:
+                pass  # already unreachable: dropped all the same
+            self._drop(P.RunAborted(reason, lost=party))
+        return late
 
     def _drop(self, exc: P.RunAborted) -> bool:
         """Record a lost passive party if the method can go on without it."""

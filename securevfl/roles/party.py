@@ -62,7 +62,10 @@ class PassiveParty:
         )
         rounds.guard.check_run()  # this party's own policy accepts the run its config describes
         while True:
-            env = self.conn.recv(timeout=self.cfg.round_timeout, waiting_for="the next call")
+            # the next call comes after the current round closes at the aggregator, which may take
+            # up to round_timeout when another party is slow: wait twice that (a dead aggregator
+            # is noticed sooner, by its heartbeat)
+            env = self.conn.recv(timeout=2 * self.cfg.round_timeout, waiting_for="the next call")
             if env.kind == P.BYE:
                 if rounds.received is not None:
                     rounds.received.save()

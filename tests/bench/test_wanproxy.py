@@ -83,6 +83,9 @@ def test_proxy_delays_by_at_least_the_rtt_and_forwards_bytes_intact() -> None:
     assert rtt >= 0.040
     assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
     assert summary["bytes_up"] == summary["bytes_down"] == 4 + len(payload)
+    # its own scheduling delay is reported: a mean over every chunk, never above the worst
+    assert summary["chunks"] >= 4
+    assert 0.0 <= summary["mean_lateness_ms"] <= summary["max_lateness_ms"]
 
 
 def test_proxy_caps_the_line_rate() -> None:
