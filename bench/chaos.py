@@ -68,6 +68,12 @@ class Federation:
     batch_size: int = 16
     seed: int = 0
     peer_timeout: float = 2.0
+    # how long roles wait for each other at start-up: also how long a run whose party was
+    # killed before it connected takes to stop (nobody is told it is gone)
+    startup_timeout: float = 60.0
+    # label DP with seeded noise (a test-only setting): a ledger line per epoch to check, and
+    # resumed runs still reproduce the uninterrupted one (each epoch's noise is its own stream)
+    label_dp: bool = True
 
     def write(self, directory: Path, aggregation: str) -> Path:
         """The data and the config in `directory`; returns the config path."""
@@ -91,6 +97,11 @@ class Federation:
                 labels=y.astype(float),
             )
         config = directory / f"{aggregation}.toml"
+        privacy = (
+            "[privacy]\nnoise_seed = 7\nlabel_dp = { noise_multiplier = 2.0, clip = 1.0 }\n\n"
+            if self.label_dp
+            else ""
+        )
         config.write_text(
             f"""[run]
 method = "splitnn"
@@ -117,7 +128,7 @@ columns = ["X3", "X4"]
 [policy]
 aggregations = ["plain", "mask", "ckks"]
 
-[train]
+{privacy}[train]
 epochs = {self.epochs}
 batch_size = {self.batch_size}
 lr = 0.01
@@ -130,7 +141,7 @@ width = 4
 heartbeat_interval = 0.2
 peer_timeout = {self.peer_timeout}
 round_timeout = 30.0
-startup_timeout = 60.0
+startup_timeout = {self.startup_timeout}
 """
         )
         return config
@@ -143,6 +154,8 @@ def _env() -> dict[str, str]:
 def launch(config: Path, run_dir: Path, *, resume: bool, tag: str) -> subprocess.Popen:
     """`securevfl run` as a child process, its output kept in the run directory."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    # the previous launch's pids (a resume): this launch writes its own once its roles started
+    (run_dir / "pids.json").unlink(missing_ok=True)
     args = [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)]
     if resume:
         args.append("--resume")
@@ -245,13 +258,19 @@ def stop_everything(proc: subprocess.Popen, run_dir: Path) -> None:
 # ------------------------------------------------------------------------------ run state
 
 
-def phase(run_dir: Path, epochs: int) -> str:
-    """Where a run was when it was killed, from what its directory held."""
+def phase(run_dir: Path, epochs: int, resume_from: int = 0) -> str:
+    """Where a run was when it was killed, from what its directory held (a resumed launch,
+    which trains from epoch `resume_from`, until it writes a new checkpoint: its start-up or
+    its first epoch, which the directory cannot tell apart)."""
     from securevfl.roles.checkpoint import latest_epoch
 
+    last = latest_epoch(run_dir, "active")
+    if resume_from > 0 and (last is None or last < resume_from):
+        if resume_from >= epochs:
+            return "resumed start-up or evaluation"
+        return f"resumed start-up or training epoch {resume_from + 1}"
     if (run_dir / "metrics.json").exists():
         return "finished"
-    last = latest_epoch(run_dir, "active")
     if last is None:  # the active party writes privacy.json once set up, before epoch 1
         return "training epoch 1" if (run_dir / "privacy.json").exists() else "start-up"
     if last + 1 >= epochs:
@@ -454,21 +473,29 @@ def kill_once(
     fed: Federation,
     record: Kill,
     deadline: float,
+    resume_from: int = 0,
 ) -> bool:
-    """Kill `record.role` at a random instant of the launch `proc`. Returns False when the
-    run had ended before the instant came (nothing was killed)."""
+    """Kill `record.role` at a random instant of the launch `proc`, which trains epochs
+    `resume_from`.. (0-based; a resumed launch starts after its last checkpoint). Returns False
+    when the run had ended before the instant came (nothing was killed)."""
     from securevfl.roles.checkpoint import latest_epoch
 
     started = _roles_started(proc, run_dir, deadline)
     pids = role_pids(run_dir)
     record.pid = pids[record.role]
-    if record.planned == "uniform":
-        delay = rng.uniform(0.0, timing.roles_seconds)
-        until = started + delay
+    # in a resumed launch, an epoch is known to be under way once the checkpoint before it is
+    # new, so in-epoch kills pick among the epochs after the first one it trains
+    first = 0 if resume_from == 0 else resume_from + 1
+    if record.planned == "in-epoch" and first >= fed.epochs:
+        record.planned = "uniform"  # no such epoch left
+    if record.planned == "uniform":  # over this launch's life: start-up and what it trains
+        startup = max(timing.roles_seconds - fed.epochs * timing.epoch_seconds, 0.0)
+        life = startup + max(fed.epochs - resume_from, 0) * timing.epoch_seconds
+        until = started + rng.uniform(0.0, life)
         while time.monotonic() < until and proc.poll() is None:
             time.sleep(0.005)
     else:  # inside a random epoch: after the checkpoint before it, part-way through it
-        epoch = rng.randrange(fed.epochs)
+        epoch = rng.randrange(first, fed.epochs)
         until = time.monotonic() + deadline
         while proc.poll() is None and time.monotonic() < until:
             last = latest_epoch(run_dir, "active")
@@ -481,7 +508,7 @@ def kill_once(
     stat = _stat(record.pid)
     if proc.poll() is not None or stat is None or stat[1] != proc.pid or stat[0] == "Z":
         return False  # the run (or this role) already ended
-    record.phase = phase(run_dir, fed.epochs)
+    record.phase = phase(run_dir, fed.epochs, resume_from)
     record.at_seconds = round(time.monotonic() - started, 3)
     os.kill(record.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -599,13 +626,81 @@ def run_chain(
     stop_deadline: float = 60.0,
     run_deadline: float = 300.0,
     ckks_tol: float = 0.02,
+    reference: str = "processes",
 ) -> dict[str, Any]:
     """Kill the same run directory `kills` times (each resume may be killed again), then let
-    it finish, and compare with an uninterrupted run. Used by the CI test."""
+    it finish, and compare with an uninterrupted run: `reference` "processes" (`securevfl
+    run`) or "inproc" (the same roles as threads over the in-process transport, which gives
+    the same bits for plain and mask and saves a launch; not for ckks). Used by the CI test.
+    Whatever happens (a failure, a test timeout), the processes it started are stopped."""
     rng = random.Random(seed)
-    reference, timing = reference_run(fed, work, aggregation, deadline=run_deadline)
+    if reference == "inproc":
+        ref, timing = reference_inproc(fed, work, aggregation)
+    else:
+        ref, timing = reference_run(fed, work, aggregation, deadline=run_deadline)
     config = fed.write(work, aggregation)
     run_dir = work / "chain"
+    try:
+        return _chain(
+            fed=fed,
+            config=config,
+            run_dir=run_dir,
+            aggregation=aggregation,
+            kills=kills,
+            rng=rng,
+            timing=timing,
+            reference=ref,
+            stop_deadline=stop_deadline,
+            run_deadline=run_deadline,
+            ckks_tol=ckks_tol,
+        )
+    except BaseException:
+        for pid in [*role_pids(run_dir).values(), *processes_naming(run_dir)]:
+            if str(run_dir) in _cmdline(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        raise
+
+
+def reference_inproc(fed: Federation, directory: Path, aggregation: str) -> tuple[dict, Timing]:
+    """An uninterrupted run of every role as a thread of this process (in-process transport).
+    Its timing stands for a launch's life: roughly its training, since nothing starts up."""
+    import dataclasses
+
+    from securevfl.config import load_config
+    from securevfl.inproc import run_inproc
+
+    config = fed.write(directory, aggregation)
+    cfg = dataclasses.replace(load_config(config), transport="inproc")
+    run_dir = directory / f"reference-{aggregation}-inproc"
+    started = time.monotonic()
+    code = run_inproc(cfg, out=run_dir, resume=False, config_path=config)
+    if code != 0:
+        raise RuntimeError(f"the uninterrupted in-process {aggregation} run failed ({code})")
+    total = time.monotonic() - started
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    epoch = sum(metrics["epoch_seconds"]) / max(len(metrics["epoch_seconds"]), 1)
+    return outcome(run_dir), Timing(roles_seconds=total, epoch_seconds=epoch)
+
+
+def _chain(
+    *,
+    fed: Federation,
+    config: Path,
+    run_dir: Path,
+    aggregation: str,
+    kills: int,
+    rng: random.Random,
+    timing: Timing,
+    reference: dict[str, Any],
+    stop_deadline: float,
+    run_deadline: float,
+    ckks_tol: float,
+) -> dict[str, Any]:
+    from securevfl.roles.checkpoint import latest_epoch
+
     records: list[Kill] = []
     launches = 0
     ledger_before = b""
@@ -616,8 +711,10 @@ def run_chain(
             aggregation=aggregation,
             role=rng.choice(ROLES),
             pid=0,
-            planned=rng.choice(("uniform", "in-epoch")),
+            # alternate, so that even a short chain kills both in training and at start-up
+            planned=("in-epoch", "uniform")[len(records) % 2],
         )
+        last = latest_epoch(run_dir, "active")
         proc = launch(config, run_dir, resume=launches > 0, tag=f"launch{launches}")
         launches += 1
         if kill_once(
@@ -628,6 +725,7 @@ def run_chain(
             fed=fed,
             record=record,
             deadline=stop_deadline,
+            resume_from=0 if last is None else last + 1,
         ):
             record.checkpoint_problems = check_checkpoints(run_dir, after_resume=False)
             data, problems = check_ledger(run_dir)
@@ -687,6 +785,40 @@ def summarize(records: list[Kill], missed: int, wall: float) -> dict[str, Any]:
     }
 
 
+def write_result(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    records: list[Kill],
+    missed: int,
+    started: float,
+    spread: dict[str, Any],
+    fed: Federation,
+    aggregations: list[str],
+) -> dict[str, Any]:
+    """Write what has run so far (after every kill, so a stopped bench still reports)."""
+    result = {
+        "summary": {
+            **summarize(records, missed, time.monotonic() - started),
+            "planned": args.kills,
+        },
+        "ckks_run_to_run_spread": spread,
+        "federation": asdict(fed),
+        "aggregations": aggregations,
+        "command": "python bench/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+        },
+        "kills": [asdict(r) for r in records],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".partial")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(args.out)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=100)
@@ -694,14 +826,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--rows", type=int, default=400)
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=2.0,
+        help="[network] peer_timeout: raise it on a loaded machine, where a starved role's "
+        "heartbeats can be late",
+    )
     ap.add_argument("--stop-deadline", type=float, default=60.0, help="kill -> launcher exit")
     ap.add_argument("--run-deadline", type=float, default=300.0, help="a whole resumed run")
     ap.add_argument("--ckks-tol", type=float, default=0.02, help="|metric or loss difference|")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="stop starting new kills after this many seconds (the result says how many ran)",
+    )
     ap.add_argument("--work", type=Path, help="keep run directories here (default: temporary)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
-    fed = Federation(rows=args.rows, epochs=args.epochs, seed=args.seed)
+    fed = Federation(
+        rows=args.rows, epochs=args.epochs, seed=args.seed, peer_timeout=args.peer_timeout
+    )
     aggregations = [a.strip() for a in args.aggregations.split(",") if a.strip()]
     rng = random.Random(args.seed)
     started = time.monotonic()
@@ -719,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
         records: list[Kill] = []
         missed = 0
         for i in range(args.kills):
+            if args.budget is not None and time.monotonic() - started > args.budget:
+                print(f"budget of {args.budget:.0f} s spent after {i} kills", flush=True)
+                break
             a = aggregations[i % len(aggregations)]
             reference, timing = references[a]
             record, m = one_kill(
@@ -743,18 +893,8 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", ERROR {record.error[:200]}" if record.error else ""),
                 flush=True,
             )
-    wall = time.monotonic() - started
-    result = {
-        "summary": summarize(records, missed, wall),
-        "ckks_run_to_run_spread": spread,
-        "federation": asdict(fed),
-        "aggregations": aggregations,
-        "command": "python bench/chaos.py " + " ".join(argv or sys.argv[1:]),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "kills": [asdict(r) for r in records],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            write_result(args, argv, records, missed, started, spread, fed, aggregations)
+    result = write_result(args, argv, records, missed, started, spread, fed, aggregations)
     print(json.dumps(result["summary"], indent=2))
     s = result["summary"]
     ok = (

@@ -82,7 +82,7 @@ def load_public(keys_dir: Path) -> FederationPublicKeys:
             f"{path} does not exist; create the federation's keys with "
             '`securevfl keys --config CONFIG --out DIR` and set [network] keys = "DIR"'
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise KeyMaterialError(f"{path} is not valid JSON ({exc}); regenerate it") from None
     except OSError as exc:
         raise KeyMaterialError(f"cannot read {path}: {exc.strerror}") from None
@@ -131,7 +131,7 @@ def load_secrets(keys_dir: Path, role: str) -> RoleSecrets:
             f"no secret keys for role {role!r} at {path}; copy that role's secret file from "
             "where `securevfl keys` wrote it"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise KeyMaterialError(
             f"{path} is not valid JSON ({exc}); copy the file `securevfl keys` wrote again"
         ) from None

@@ -278,22 +278,40 @@ def _start(
         if role == "aggregator":
             time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
     (out / "pids.json").write_text("{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n")
-    return supervise(procs, grace=cfg.peer_timeout + 10.0, active=cfg.active_name, run_dir=out)
+    from securevfl.roles.rounds import tolerates_dropout
+
+    return supervise(
+        procs,
+        grace=cfg.peer_timeout + 10.0,
+        active=cfg.active_name,
+        run_dir=out,
+        parties_may_drop=tolerates_dropout(cfg),
+    )
 
 
-def supervise(procs: Sequence[RoleProcess], *, grace: float, active: str, run_dir: Path) -> int:
+def supervise(
+    procs: Sequence[RoleProcess],
+    *,
+    grace: float,
+    active: str,
+    run_dir: Path,
+    parties_may_drop: bool = False,
+) -> int:
     """Wait for every role. If the aggregator or the active party fails, the others get `grace`
     seconds to stop on their own before they are terminated. A failed passive party is the
     aggregator's call: it aborts everyone (each role then stops within its deadline) or, for a
-    method that tolerates dropouts, goes on without it."""
+    method that tolerates dropouts (`parties_may_drop`), goes on without it; unless dropouts
+    are tolerated, the others are terminated if they have not stopped `grace` seconds after it
+    failed (a party that dies before it connects is otherwise noticed only when the start-up
+    timeout ends)."""
     failed_at: float | None = None
-    coordinators = {"aggregator", active}
+    watched = {p.role for p in procs} if not parties_may_drop else {"aggregator", active}
     try:
         while True:
             codes = {p.role: p.popen.poll() for p in procs}
             if all(c is not None for c in codes.values()):
                 break
-            if failed_at is None and any(codes[r] not in (None, 0) for r in coordinators):
+            if failed_at is None and any(codes[r] not in (None, 0) for r in watched):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 for p in procs:
@@ -338,6 +356,8 @@ def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> i
     for code in (P.EXIT_USAGE, P.EXIT_REFUSED, P.EXIT_BUDGET, P.EXIT_PEER_LOST):
         if code in failed.values():
             return code
+    if any(c < 0 for c in failed.values()):  # killed by a signal: a role was lost
+        return P.EXIT_PEER_LOST
     return codes.get(active) or P.EXIT_ERROR
 
 

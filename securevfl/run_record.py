@@ -140,7 +140,7 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(
             "--resume", f"{path} cannot be read ({exc}); restore it from a backup of the run"
         ) from None
@@ -316,7 +316,7 @@ def _note_in_run_record(
         return
     try:
         run = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return  # the launcher rewrites it; the effective-config record has the history
     if not isinstance(run, dict):
         return

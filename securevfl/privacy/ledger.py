@@ -426,7 +426,8 @@ class PrivacyLedger:
             try:
                 obj = json.loads(raw.decode("utf-8"))
                 events.append(_parse_line(obj))
-            except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+                # RecursionError: JSON nested deeper than the parser's recursion limit
                 if is_tail and tolerate_torn_tail:
                     break
                 hint = (
@@ -467,7 +468,7 @@ def _salvage(fragment: bytes) -> dict[str, Any] | None:
             continue
         try:
             obj = json.loads(text[:cut] + "}")
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         return obj if isinstance(obj, dict) else None
     return None
@@ -503,7 +504,7 @@ def _whole_line(fragment: bytes) -> bool:
     """Whether the fragment is a complete, valid record that lost only its newline."""
     try:
         _parse_line(json.loads(fragment.decode("utf-8")))
-    except (ValueError, TypeError, UnicodeDecodeError):
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
         return False
     return True
 

@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from securevfl.errors import CheckpointError
 
 KEEP = 2
@@ -45,6 +43,8 @@ def save_checkpoint(run_dir: Path, role: str, epoch: int, state: Mapping[str, An
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"epoch_{epoch:04d}.pt"
     tmp = d / f"{path.name}.partial"
+    import torch  # here, not at import: the launcher lists checkpoints without loading torch
+
     with open(tmp, "wb") as fh:
         torch.save(dict(state), fh)
         fh.flush()
@@ -76,6 +76,8 @@ def load_checkpoint(run_dir: Path, role: str, epoch: int) -> dict[str, Any]:
             f"role {role!r} has no checkpoint for epoch {epoch} in {path.parent} (it has {have}); "
             "resume needs every role's run directory from the same run"
         )
+    import torch
+
     try:
         state = torch.load(path, weights_only=True)
     except Exception as exc:  # a truncated zip, a foreign pickle: never load it half-way

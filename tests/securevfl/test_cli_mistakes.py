@@ -390,3 +390,32 @@ def test_the_command_itself_exits_2_with_one_line(tmp_path, edit, words):
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and words in lines[0], done.stderr
     assert not (s.out / "logs").exists()
+
+
+def test_secret_key_files_are_created_0600_even_over_a_readable_file(tmp_path):
+    """Item 6: key files are written owner-only (a file being replaced keeps no group or world
+    bits), in an owner-only directory; reading one refuses group/world bits (above)."""
+    keys = tmp_path / "keys"
+    generate_keys(["active", "alpha"], keys)
+    (keys / "secret" / "alpha.json").chmod(0o644)
+    generate_keys(["active", "alpha"], keys, overwrite=True)
+    assert (keys / "secret").stat().st_mode & 0o777 == 0o700
+    for role in ("aggregator", "active", "alpha"):
+        assert (keys / "secret" / f"{role}.json").stat().st_mode & 0o777 == 0o600, role
+
+
+def test_run_binds_the_aggregator_on_loopback_only(tmp_path, monkeypatch):
+    """Item 6: `securevfl run` puts every role on one host, so its aggregator listens on
+    127.0.0.1 (never on all interfaces); multi-host runs name the address (`--bind`)."""
+    import securevfl.launcher as L
+
+    s = make_setup(tmp_path)
+    seen = {}
+    monkeypatch.setattr(L, "_start", lambda cmds, *a, **k: seen.update(cmds) or 0)
+    assert cli.main(s.run()) == 0
+    agg = seen["aggregator"]
+    bind = agg[agg.index("--bind") + 1]
+    assert bind.startswith("tcp://127.0.0.1:"), bind
+    for role in ("active", *PARTIES):
+        cmd = seen[role]
+        assert cmd[cmd.index("--address") + 1] == bind

@@ -210,3 +210,49 @@ def test_a_party_with_the_wrong_key_exits_2_within_seconds_naming_the_key(tmp_pa
     assert waited < 10.0, "the wrong key was found late"
     if case == "a key not in the allowlist":
         assert any("not in the federation allowlist" in r and "SHA256:" in r for r in records)
+
+
+def _sleeper(seconds: float):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+@pytest.mark.parametrize("may_drop", [False, True])
+def test_the_launcher_stops_the_others_when_a_party_dies_unless_dropouts_are_tolerated(
+    tmp_path, may_drop
+):
+    """A party killed before it connects is noticed by the others only at the start-up timeout;
+    the launcher sees it at once: unless the method tolerates dropouts, it gives the others
+    `grace` seconds and then terminates them, and the run ends 4 (a role was lost), never
+    with a signal's number. With dropouts tolerated, the aggregator decides: nobody is
+    terminated."""
+    import signal
+    import time
+
+    from securevfl.errors import EXIT_PEER_LOST
+    from securevfl.launcher import RoleProcess, supervise
+
+    others = 1.0 if may_drop else 60.0  # how long the other roles would go on by themselves
+    procs = [RoleProcess(r, _sleeper(others)) for r in ("aggregator", "active", "alpha")]
+    procs.append(RoleProcess("beta", _sleeper(60.0)))
+    procs[-1].popen.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        code = supervise(
+            procs, grace=0.5, active="active", run_dir=tmp_path, parties_may_drop=may_drop
+        )
+    finally:
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait()
+    assert code == EXIT_PEER_LOST
+    codes = {p.role: p.popen.returncode for p in procs}
+    assert codes["beta"] == -signal.SIGKILL
+    if may_drop:
+        assert codes == {"aggregator": 0, "active": 0, "alpha": 0, "beta": -signal.SIGKILL}
+    else:
+        assert time.monotonic() - started < 30
+        assert all(codes[r] == -signal.SIGTERM for r in ("aggregator", "active", "alpha"))
