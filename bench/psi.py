@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def main() -> None:
             address,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        load_before = os.getloadavg()
         started = time.perf_counter()
         procs = [
             subprocess.Popen([*base, "--role", "active", "--data", str(d / "a.csv")], env=env),
@@ -77,6 +79,19 @@ def main() -> None:
         "seconds_wall": round(wall, 2),
         "bytes": bank["bytes_sent"] + bank["bytes_received"],
         "bytes_per_id": round((bank["bytes_sent"] + bank["bytes_received"]) / (2 * args.n), 1),
+        "command": "python bench/psi.py " + " ".join(sys.argv[1:]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "notes": (
+            "two processes (label holder, party) over loopback CurveZMQ; seconds_protocol: the "
+            "label holder's time for the PSI with the party, every bucket; seconds_wall: both "
+            "processes from start to exit (reading the ids, writing the aligned files); bytes: "
+            "application frames both ways (CURVE and heartbeats not counted)"
+        ),
     }
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,12 @@ aggregator takes no part and learns nothing), so that each side learns which of 
 other holds and nothing about the other rows (`crypto.psi`: ECDH-PSI on edwards25519).
 
 Identifiers are bucketed by a hash prefix (2^k buckets, k chosen from the set sizes so that a
-bucket holds about 2^16 identifiers), so memory stays bounded by a bucket and a failed bucket can
-be redone. What leaks, besides the intersection: each side's set size, and how many of its
-identifiers fall in each bucket (a hash of the identifiers, as SecretFlow's bucketed PSI).
+bucket holds about 2^16 identifiers), so each message and each blinding step is bounded by a
+bucket (a failed run is restarted from the beginning, with fresh scalars). The label holder
+sends heartbeats between slices of `KEEPALIVE_POINTS` points while it blinds, so a party does
+not take a long bucket on a loaded machine for a lost peer. What leaks, besides the
+intersection: each side's set size, and how many of its identifiers fall in each bucket (a hash
+of the identifiers, as SecretFlow's bucketed PSI).
 
 Outputs (`--out DIR`): each party writes `aligned/<party>.csv`, its rows shared with the label
 holder; the active party writes `aligned/presence.csv` (its id, then one 0/1 column per party)
@@ -37,6 +40,10 @@ from transport import Allowlist, Envelope, Hub, Peer, ReceiveTimeout
 KINDS = frozenset({"psi-join", "psi-blinded", "psi-reply", "psi-matches"})
 BUCKET_TARGET = 2**16
 MAX_IDS = 10**8
+# the label holder blinds this many points between heartbeats (its hub sends them only when
+# called): a bucket's blinding takes far longer than the peers' timeout on a loaded machine
+KEEPALIVE_POINTS = 4096
+PEER_TIMEOUT_FLOOR = 60.0  # seconds; [network] peer_timeout if larger
 
 
 def bucket_bits(n: int) -> int:
@@ -94,7 +101,7 @@ def align_active(
         allowlist=Allowlist({p: public.curve_public(p) for p in cfg.party_names}),
         kinds=KINDS,
         heartbeat_interval=cfg.heartbeat_interval,
-        peer_timeout=max(cfg.peer_timeout, 60.0),
+        peer_timeout=max(cfg.peer_timeout, PEER_TIMEOUT_FLOOR),
         logger=logger,
     )
     if on_bound is not None:
@@ -116,7 +123,7 @@ def align_active(
                 sizes[env.sender] = int(env.meta["size"])
         for party in cfg.party_names:
             t0, sent0, recv0 = time.perf_counter(), hub.bytes_sent, hub.bytes_received
-            shared = _with_party(hub, party, mine, sizes[party], timeout=timeout)
+            shared = _with_party(hub, party, mine, sizes[party], timeout=timeout, logger=logger)
             presence[party] = shared
             summary["parties"][party] = {
                 "size": sizes[party],
@@ -141,7 +148,13 @@ def align_active(
 
 
 def _with_party(
-    hub: Hub, party: str, mine: list[str], theirs: int, *, timeout: float
+    hub: Hub,
+    party: str,
+    mine: list[str],
+    theirs: int,
+    *,
+    timeout: float,
+    logger: logging.Logger,
 ) -> np.ndarray:
     """One PSI with `party`, bucket by bucket; returns which of `mine` it holds."""
     bits = bucket_bits(max(len(mine), theirs))
@@ -151,7 +164,7 @@ def _with_party(
         rows = np.flatnonzero(buckets == b)
         alpha = psi.new_secret()  # fresh per party and bucket: no linkage across them
         order = psi.shuffle(len(rows))
-        sent = psi.blind_identifiers(alpha, [mine[rows[i]] for i in order])
+        sent = _blinding(hub, alpha, [mine[rows[i]] for i in order], identifiers=True)
         hub.send(
             party,
             Envelope(
@@ -168,7 +181,7 @@ def _with_party(
             raise RunAborted(
                 f"{party} answered bucket {b} with {len(again)} points, not {len(sent)}"
             )
-        doubled = psi.blind(alpha, theirs_b)
+        doubled = _blinding(hub, alpha, theirs_b, identifiers=False)
         twice = set(doubled)
         hit = np.array([p in twice for p in again], dtype=bool)
         shared[rows[order[hit]]] = True
@@ -183,7 +196,27 @@ def _with_party(
                 meta={"bucket": b},
             ),
         )
+        logger.info(
+            "%s: bucket %d of %d done (%d of my ids, %d shared)",
+            party,
+            b + 1,
+            2**bits,
+            len(rows),
+            int(hit.sum()),
+        )
     return shared
+
+
+def _blinding(hub: Hub, scalar: bytes, items: Sequence[Any], *, identifiers: bool) -> list[bytes]:
+    """`psi.blind_identifiers` (identifiers) or `psi.blind` (points), `KEEPALIVE_POINTS` at a
+    time with the hub's heartbeats in between, so the party waiting meanwhile does not report
+    the label holder lost."""
+    out: list[bytes] = []
+    for i in range(0, len(items), KEEPALIVE_POINTS):
+        part = items[i : i + KEEPALIVE_POINTS]
+        out += psi.blind_identifiers(scalar, part) if identifiers else psi.blind(scalar, part)
+        hub.keepalive()
+    return out
 
 
 def psi_limit(n: int) -> int:
@@ -229,7 +262,7 @@ def align_party(
         server_public=public.curve_public(cfg.active_name),
         kinds=KINDS,
         heartbeat_interval=cfg.heartbeat_interval,
-        peer_timeout=max(cfg.peer_timeout, 60.0),
+        peer_timeout=max(cfg.peer_timeout, PEER_TIMEOUT_FLOOR),
         logger=logger,
         hub_name=cfg.active_name,
     )

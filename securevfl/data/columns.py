@@ -281,7 +281,9 @@ def numbers_of(
                 f"{where}: value {v!r} in column {column!r} (row {first_row + i + 2}) is not a "
                 "number; declare the column categorical ([parties.NAME] types) or fix the value"
             )
-        raise DataError(f"{where}: value {v!r} in column {column!r} is not finite")
+        raise DataError(
+            f"{where}: value {v!r} in column {column!r} (row {first_row + i + 2}) is not finite"
+        )
     return values
 
 
@@ -290,8 +292,9 @@ def numeric(values: np.ndarray, *, column: str, where: str) -> np.ndarray:
     return numbers_of(_text(values), column=column, where=where)
 
 
-def booleans_of(cells: pa.Array, *, column: str, where: str) -> np.ndarray:
-    """1.0 for a yes-word, 0.0 for a no-word, NaN for NA; refuses any other value."""
+def booleans_of(cells: pa.Array, *, column: str, where: str, first_row: int = 0) -> np.ndarray:
+    """1.0 for a yes-word, 0.0 for a no-word, NaN for NA; refuses any other value, naming the
+    column and the row (`first_row`: the 0-based data row of the chunk's first cell)."""
     distinct, codes = _distinct(cells)
     table = np.full(len(distinct) + 1, np.nan)
     bad = np.zeros(len(distinct) + 1, dtype=bool)
@@ -305,7 +308,11 @@ def booleans_of(cells: pa.Array, *, column: str, where: str) -> np.ndarray:
             bad[k] = True
     if bad.any():
         i = int(np.argmax(bad[codes]))
-        raise DataError(f"{where}: value {distinct[codes[i]]!r} in boolean column {column!r}")
+        raise DataError(
+            f"{where}: value {distinct[codes[i]]!r} in boolean column {column!r} "
+            f"(row {first_row + i + 2}); declare the column categorical ([parties.NAME] types) "
+            "or fix the value"
+        )
     return table[codes]
 
 
@@ -334,7 +341,7 @@ class CompactConverter:
             if self.kinds[c] == "numeric":
                 numbers[:, j] = numbers_of(cells[c], column=c, where=where, first_row=first_row)
             else:
-                numbers[:, j] = booleans_of(cells[c], column=c, where=where)
+                numbers[:, j] = booleans_of(cells[c], column=c, where=where, first_row=first_row)
         codes = np.empty((n_rows, len(self.categorical)), dtype=np.int32)
         for j, c in enumerate(self.categorical):
             distinct, local = _distinct(cells[c])

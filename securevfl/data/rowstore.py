@@ -8,9 +8,13 @@ blocks (`scan`). Encoding happens above them, the same way for both.
 
 The disk cache is the role's alone: created with mode 0700 inside the directory it is given
 (the run directory of that role) or a fresh temporary one, and removed when the table is
-garbage-collected or the process exits. Pages read from it are handed back to the kernel
-(`madvise(MADV_DONTNEED)`) every `RELEASE_BYTES`, so the process's resident memory holds at
-most about that much of the files (they stay in the page cache, which the kernel reclaims).
+garbage-collected or the process exits. Rows asked for at random (`take`, `texts`: a batch)
+are read with `pread`, so they cost the process only their own bytes: through a memory map,
+each row would make resident the pages the kernel maps around the fault (on recent kernels
+whole large folios, about 1 MB a row). Blocks of a scan, in file order, are read through
+read-only memory maps whose pages are handed back to the kernel (`madvise(MADV_DONTNEED)`)
+every `RELEASE_BYTES` of the span read, so the process holds about that much of the files
+(they stay in the page cache, which the kernel reclaims).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import struct
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -27,8 +32,10 @@ import numpy as np
 import pyarrow as pa
 
 PAGE = mmap.PAGESIZE
-RELEASE_BYTES = 64 << 20  # at most this much of the mapped files stays resident
+RELEASE_BYTES = 64 << 20  # at most about this much of the mapped files stays resident
 SCAN_ROWS = 1 << 16  # rows per block of `scan`
+# a read fault through a map may make up to a 2 MiB folio resident (a scan's sparse rows count so)
+FAULT_PAGES = max(1, (2 << 20) // PAGE)
 
 
 class MemoryRows:
@@ -96,9 +103,9 @@ class DiskRowsWriter:
 
 
 class DiskRows:
-    """Compact rows in the files of a cache directory (file order), read through read-only
-    memory maps; `order` (int32 where it fits, 4 bytes per row) maps the sorted ids to file
-    rows. The directory is removed when this object is."""
+    """Compact rows in the files of a cache directory (file order): batches at random read with
+    `pread`, scans through read-only memory maps; `order` (int32 where it fits, 4 bytes per
+    row) maps the sorted ids to file rows. The directory is removed when this object is."""
 
     def __init__(
         self,
@@ -114,6 +121,8 @@ class DiskRows:
         self.n = n
         self.order = order.astype(np.int32 if n < 2**31 else np.int64)
         self._maps: list[mmap.mmap] = []
+        self._fds: dict[str, int] = {}
+        self.n_numbers, self.n_codes = n_numbers, n_codes
         self.numbers = self._map("numbers.f64", np.float64, (n, n_numbers))
         self.codes = self._map("codes.i32", np.int32, (n, n_codes))
         self.row_bytes = 8 * n_numbers + 4 * n_codes
@@ -122,16 +131,17 @@ class DiskRows:
             self._offsets = self._map("ids.off", np.int64, (n + 1,))
             self._text = self._map("ids.txt", np.uint8, (-1,))
         self._touched = 0
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+        self._finalizer = weakref.finalize(self, _remove, str(self.dir), self._fds)
 
     def __len__(self) -> int:
         return self.n
 
     def take(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rows = self.order[positions]
-        out = self.numbers[rows], self.codes[rows]
-        self._touch(rows, ordered=False)
-        return out
+        return (
+            self._pread("numbers.f64", rows, self.n_numbers, np.float64),
+            self._pread("codes.i32", rows, self.n_codes, np.int32),
+        )
 
     def scan(
         self, positions: np.ndarray, *, rows: int = SCAN_ROWS
@@ -151,14 +161,12 @@ class DiskRows:
         """The identifiers at `positions` as written (None: the table has none)."""
         if not self.has_texts:
             return None
-        rows = self.order[positions]
-        starts, ends = self._offsets[rows], self._offsets[rows + 1]
-        out = np.array(
-            [bytes(self._text[s:e]).decode() for s, e in zip(starts, ends, strict=True)],
-            dtype=object,
-        )
-        self._touch(rows, ordered=False)
-        return out
+        offsets, text = self._fds.get("ids.off", -1), self._fds.get("ids.txt", -1)
+        out = []
+        for r in self.order[positions].tolist():
+            start, end = struct.unpack("=qq", _pread_exact(offsets, 16, 8 * r, self.dir))
+            out.append(_pread_exact(text, end - start, start, self.dir).decode())
+        return np.array(out, dtype=object)
 
     def release(self) -> None:
         """Hand the mapped pages back to the kernel (they stay in its page cache)."""
@@ -170,13 +178,27 @@ class DiskRows:
         """Remove the cache directory now (the maps stay valid until this object goes)."""
         self._finalizer()
 
-    def _touch(self, rows: np.ndarray, *, ordered: bool) -> None:
+    def _pread(self, name: str, rows: np.ndarray, width: int, dtype: type) -> np.ndarray:
+        """The rows `rows` of a file of `width` values each, read one by one with `pread`."""
+        out = np.empty((len(rows), width), dtype=dtype)
+        size = out.itemsize * width
+        if size == 0 or len(rows) == 0:
+            return out
+        fd, view = self._fds[name], memoryview(out).cast("B")
+        for k, r in enumerate(rows.tolist()):
+            if os.preadv(fd, [view[k * size : (k + 1) * size]], r * size) != size:
+                raise OSError(f"row cache {self.dir}: {name} is shorter than expected")
+        return out
+
+    def _touch(self, rows: np.ndarray, *, ordered: bool, files: int = 2) -> None:
+        """Count the pages `rows` (file rows, sorted when `ordered`) made resident in `files`
+        of the maps; release them past the cap."""
         if len(rows) == 0:
             return
-        pages = len(rows) * len(self._maps)
+        pages = len(rows) * FAULT_PAGES * files
         if ordered:  # one run of pages per file, at most
-            span = (int(rows[-1]) - int(rows[0]) + 1) * max(self.row_bytes, 1) // PAGE + 1
-            pages = min(pages, span * len(self._maps))
+            span = (int(rows[-1]) - int(rows[0]) + 1) * max(self.row_bytes, 1) // PAGE
+            pages = min(pages, span + (FAULT_PAGES + 1) * files)
         self._touched += pages * PAGE
         if self._touched >= RELEASE_BYTES:
             self.release()
@@ -186,12 +208,28 @@ class DiskRows:
         if path.stat().st_size == 0:
             return np.empty(tuple(0 if s == -1 else s for s in shape), dtype=dtype)
         fd = os.open(path, os.O_RDONLY)
-        try:
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
+        self._fds[name] = fd  # for pread; closed with the directory
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         self._maps.append(mm)
         return np.frombuffer(mm, dtype=dtype).reshape(shape)
+
+
+def _pread_exact(fd: int, size: int, offset: int, where: Path) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise OSError(f"row cache {where}: a file is shorter than expected")
+    return data
+
+
+def _remove(directory: str, fds: dict[str, int]) -> None:
+    """Close the cache's descriptors and remove its directory."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _string_buffers(text: pa.Array) -> tuple[np.ndarray, memoryview]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,14 +38,16 @@ def _files(tmp_path, n: int, overlap: float):
     return set(common), set(only_a), set(only_b)
 
 
-def run_alignment(tmp_path, n: int, overlap: float = 0.5):
+def run_alignment(tmp_path, n: int, overlap: float = 0.5, parties=("bank", "shop"), network=None):
     common, only_a, only_b = _files(tmp_path, n, overlap)
     raw = {
         "run": {"method": "splitnn", "aggregation": "mask"},
         "data": {"path": "a.csv", "id": "id", "label": "y"},
-        "parties": {"bank": {"columns": ["v"]}, "shop": {"columns": ["w"]}},
+        "parties": {p: {"columns": [f"v{j}"]} for j, p in enumerate(parties)},
         "policy": {"min_group": 1},
     }
+    if network:
+        raw["network"] = dict(network)
     raw["run"]["min_group"] = 1
     cfg = parse_config(raw, source=tmp_path / "c.toml")
     generate_keys(cfg.role_names, tmp_path / "keys")
@@ -86,7 +89,7 @@ def run_alignment(tmp_path, n: int, overlap: float = 0.5):
         )
 
     threads = [threading.Thread(target=active)] + [
-        threading.Thread(target=party, args=(p,)) for p in ("bank", "shop")
+        threading.Thread(target=party, args=(p,)) for p in parties
     ]
     for t in threads:
         t.start()
@@ -131,6 +134,32 @@ def test_align_gives_both_sides_exactly_the_intersection_and_sends_only_blinded_
             else:
                 assert name == "positions" and t.dtype == np.int64
     assert kinds == {"psi-join", "psi-blinded", "psi-reply", "psi-matches"}
+
+
+def test_the_label_holder_keeps_heartbeating_while_it_blinds(
+    tmp_path, restore_transport, monkeypatch
+):
+    """Blinding a bucket takes longer than the peers' timeout (here: 10 ms a point, 1.2 s a
+    bucket, against a 1 s timeout); the label holder's heartbeats go out between slices of
+    points, so the party does not report it lost (the 10^6-id run did, before)."""
+    import securevfl.align as align
+
+    slow_blind = psi.blind
+
+    def blind(scalar, points):
+        time.sleep(0.01 * len(points))
+        return slow_blind(scalar, points)
+
+    monkeypatch.setattr(psi, "blind", blind)
+    monkeypatch.setattr(align, "PEER_TIMEOUT_FLOOR", 0.0)
+    monkeypatch.setattr(align, "KEEPALIVE_POINTS", 10)
+    network = {"heartbeat_interval": 0.2, "peer_timeout": 1.0}
+    cfg, result, _, common, _, _ = run_alignment(
+        tmp_path, n=120, parties=("bank",), network=network
+    )
+    assert cfg.peer_timeout == 1.0
+    assert result["bank"] == len(common) == 60, result
+    assert result["active"]["parties"]["bank"]["intersection"] == 60
 
 
 def test_buckets_keep_messages_bounded():

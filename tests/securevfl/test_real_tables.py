@@ -223,3 +223,34 @@ def test_bank_marketing_raw_trains_with_mask_within_a_point_of_centralised_logis
     x = np.hstack([scale.transform(xn), onehot.transform(xc).toarray()])
     central = LogisticRegression(max_iter=2000).fit(x[tr], y[tr]).score(x[te], y[te])
     assert fed["accuracy"] >= central - 0.01, (fed, central)
+
+
+def test_the_na_tokens_are_the_configs(tmp_path):
+    """[data] na replaces the default tokens: listed cells are missing, others are values."""
+    (tmp_path / "data.csv").write_text(
+        "id,job,age,z,y\n1,cook,30,1,1\n2,-,missing,2,0\n3,?,41,3,1\n4,admin,-,4,0\n"
+    )
+
+    def table(na):
+        raw = {
+            "data": {"path": "data.csv", "id": "id", "label": "y", **na},
+            "parties": {"p": {"columns": ["job", "age"]}, "q": {"columns": ["z"]}},
+        }
+        cfg = parse_config(raw, source=tmp_path / "config.toml")
+        t = load_party_table(tmp_path / "data.csv", cfg, "p")
+        t.prepare(t.ids)
+        return cfg, t
+
+    cfg, t = table({"na": ["-", "missing"]})
+    assert cfg.na_tokens == ("-", "missing")
+    assert set(t.columns) == {"job=cook", "job=?", "job=admin", f"job={OTHER}", "age"}
+    col = {c: j for j, c in enumerate(t.columns)}
+    # both cells of id 2 are tokens: a row the party lacks
+    assert t.has(np.array([1, 2, 3, 4])).tolist() == [True, False, True, True]
+    rows = t.rows(np.array([3, 4]))
+    assert rows[0, col["job=?"]] == 1 and rows[0, col["age"]] == 41  # "?" is a value here
+    assert np.isnan(rows[1, col["age"]]) and rows[1, col["job=admin"]] == 1
+    _, default = table({})  # the defaults do not include "-": age becomes categorical
+    assert "age=-" in default.columns and "job=?" not in default.columns
+    with pytest.raises(Exception, match=r"\[data\] na"):
+        table({"na": "-"})
