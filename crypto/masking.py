@@ -48,6 +48,8 @@ MASK_CALL_PREFIX = b"securevfl/mask-call/v1"
 MASK_CHUNK_WORDS = 1 << 15
 # Each pending preparation holds 8 bytes per value of the call it prepares.
 MAX_PREPARED = 8
+# rounds of a session whose masked domains the replay guard remembers (older ones are refused)
+REPLAY_WINDOW = 1024
 # Encrypting zeros yields the raw keystream: one shared read-only block is the input.
 _ZEROS = memoryview(bytes(8 * MASK_CHUNK_WORDS))
 assert MASK_CHUNK_WORDS <= MAX_FILL_WORDS
@@ -236,7 +238,11 @@ class MaskedSumParty:
         self._keypair = keypair
         self._peer_publics = peers
         self._pair_keys: dict[str, bytes] = {}
-        self._used_domains: set[bytes] = set()
+        # replay guard: session -> round -> digests of the domains masked in that round. Only
+        # the latest REPLAY_WINDOW rounds of a session are kept; an older round is refused
+        # outright (its floor), so the guard stays bounded over a run of any length
+        self._used: dict[bytes, dict[int, set[bytes]]] = {}
+        self._floor: dict[bytes, int] = {}
         # domain digest -> (buffer of the prepared masks, the job filling it)
         self._prepared: dict[bytes, tuple[np.ndarray, Future[None]]] = {}
         self._prefetch_pool: ThreadPoolExecutor | None = None
@@ -309,8 +315,25 @@ class MaskedSumParty:
             if peer != self.name
         ]
 
+    def _mark_used(self, domain: MaskDomain | MaskCallDomain, digest: bytes) -> None:
+        rounds = self._used.setdefault(domain.session, {})
+        rounds.setdefault(domain.round, set()).add(digest)
+        if len(rounds) > 2 * REPLAY_WINDOW:  # amortised: prune once per REPLAY_WINDOW rounds
+            floor = max(rounds) - REPLAY_WINDOW + 1
+            for r in [r for r in rounds if r < floor]:
+                del rounds[r]
+            self._floor[domain.session] = floor
+
     def _check_unused(self, domain: MaskDomain | MaskCallDomain, digest: bytes) -> None:
-        if digest in self._used_domains:
+        floor = self._floor.get(domain.session, 0)
+        if domain.round < floor:
+            raise ValueError(
+                f"party {self.name!r} cannot mask for round {domain.round}: this session has "
+                f"masked up to round {floor + REPLAY_WINDOW - 1} and tracks only the last "
+                f"{REPLAY_WINDOW} rounds, so an older round's masks may already be used; use a "
+                "fresh round"
+            )
+        if digest in self._used.get(domain.session, {}).get(domain.round, ()):
             what = (
                 f"tensor {domain.tensor!r}"
                 if isinstance(domain, MaskDomain)
@@ -400,7 +423,7 @@ class MaskedSumParty:
             if len(names) > 1:
                 error = type(error)(f"tensor {names[refused]!r}: {error}")
             raise error
-        self._used_domains.add(digest)
+        self._mark_used(domain, digest)
         return {
             tensor: flat_out[offsets[i] : offsets[i + 1]].reshape(arrays[tensor].shape)
             for i, tensor in enumerate(names)

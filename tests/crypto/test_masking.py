@@ -348,3 +348,24 @@ def test_party_refuses_a_pinned_self_key_that_is_not_its_own() -> None:
             session=b"s",
             encoder=make_encoder(),
         )
+
+
+def test_the_replay_guard_stays_bounded_over_many_rounds_and_refuses_rounds_it_forgot() -> None:
+    """A long run masks one call per round for 10^4+ rounds: the guard keeps only the last
+    REPLAY_WINDOW rounds (bounded memory), and a round older than that is refused outright,
+    so forgetting it can never let a keystream be reused."""
+    from crypto.masking import REPLAY_WINDOW
+
+    alice = make_parties(["alice", "bob"])["alice"]
+    x = np.zeros(2, dtype=np.float32)
+    last = 3 * REPLAY_WINDOW + 5
+    for r in range(last + 1):
+        alice.mask(x, round=r, group=["alice", "bob"], tensor="h")
+    kept = sum(len(v) for v in alice._used[b"session-1"].values())
+    assert kept <= 2 * REPLAY_WINDOW  # bounded, not one digest per round of the run
+    with pytest.raises(ValueError, match="reuse the keystream"):  # a recent round: remembered
+        alice.mask(x, round=last - 1, group=["alice", "bob"], tensor="h")
+    with pytest.raises(ValueError, match="tracks only the last"):  # a forgotten round: refused
+        alice.mask(x, round=0, group=["alice", "bob"], tensor="h")
+    # another tensor of a recent round is still fine (a different domain)
+    alice.mask(x, round=last, group=["alice", "bob"], tensor="g")
