@@ -13,6 +13,7 @@ import io
 import json
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,7 @@ def run_federation(
     config_path: Path | None = None,
     stdout: IO[str] | None = None,
     force: bool = False,
+    overrides: Mapping[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
     """Run every role as a thread; returns (exit status, metrics.json content or None)."""
     import torch
@@ -53,7 +55,9 @@ def run_federation(
         out.mkdir(parents=True, exist_ok=True)
         if not config_path.exists():
             config_path.write_text("# built in code; see metrics.json\n")
-    keys = prepare_run_dir(cfg, config_path, out, resume=resume, force=force)
+    keys = prepare_run_dir(
+        cfg, config_path, out, resume=resume, force=force, overrides=overrides
+    )
     device = torch.device(cfg.device)
     context = zmq.Context()
     address = f"inproc://securevfl-{uuid.uuid4().hex}"
@@ -126,9 +130,21 @@ def run_federation(
 
 
 def run_inproc(
-    cfg: RunConfig, *, out: Path, resume: bool, config_path: Path, force: bool = False
+    cfg: RunConfig,
+    *,
+    out: Path,
+    resume: bool,
+    config_path: Path,
+    force: bool = False,
+    overrides: Mapping[str, Any] | None = None,
 ) -> int:
     code, _ = run_federation(
-        cfg, out=out, resume=resume, config_path=config_path, stdout=None, force=force
+        cfg,
+        out=out,
+        resume=resume,
+        config_path=config_path,
+        stdout=None,
+        force=force,
+        overrides=overrides,
     )
     return code

@@ -234,7 +234,14 @@ def launch(
     if cfg.transport == "inproc":
         from securevfl.inproc import run_inproc
 
-        return run_inproc(cfg, out=out, resume=resume, config_path=config_path, force=force)
+        return run_inproc(
+            cfg,
+            out=out,
+            resume=resume,
+            config_path=config_path,
+            force=force,
+            overrides=overrides,
+        )
     out = Path(out).resolve()
     keys = prepare_run_dir(
         cfg, Path(config_path), out, resume=resume, overrides=overrides, force=force

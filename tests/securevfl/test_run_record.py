@@ -48,6 +48,7 @@ def test_the_effective_config_after_set_is_recorded_with_its_hash(finished):
     _, out = finished
     record = json.loads((out / EFFECTIVE_CONFIG).read_text())
     assert record["config"]["lr"] == 0.02  # the --set value, not the file's
+    assert record["overrides"] == {"train.lr": 0.02}  # and the --set itself
     assert record["config"]["aggregation"] == "mask" and record["config"]["epochs"] == 2
     assert len(record["hash"]) == 64 and set(record["data"]) >= {"table", "active", "alpha"}
     assert json.loads((out / RUN_RECORD).read_text())["config_hash"] == record["hash"]
