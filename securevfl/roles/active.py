@@ -3,13 +3,14 @@ each epoch, and writes metrics.json."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets as pysecrets
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,29 +72,9 @@ def run_active(
             print(f"resuming after epoch {last + 1}", file=out, flush=True)
     # opened before the handshake, so before any role of the run records anything
     ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
-    conn = RoleConnection.connect(
-        cfg=cfg,
-        name=cfg.active_name,
-        keys_dir=keys_dir,
-        address=address,
-        logger=logger,
-        nonce=pysecrets.token_hex(16),
-        context=context,
-    )
-    try:
-        session = conn.handshake()
-        ctx = ActiveRound(
-            cfg=cfg,
-            exchange=zmq_exchange(conn, cfg, logger),
-            session=session,
-            method=method,
-            run_dir=run_dir,
-            logger=logger,
-            start_epoch=start_epoch,
-            out=out,
-            mask_keypair=conn.secrets.mask,
-            mask_publics=conn.public.mask,
-        )
+    with _active_session(
+        cfg, keys_dir, address, logger, context, method, run_dir, start_epoch, out
+    ) as (conn, ctx):
         # N is the training set the parties are told of at set-up: every role derives the same
         # delta from it (a bad delta or budget is a ConfigError: exit status 2)
         ctx.start(train_ids=train_ids, ledger=ledger)
@@ -114,13 +95,7 @@ def run_active(
             ctx.epoch_seconds = list(saved.get("epoch_seconds", []))
             ctx.history = list(saved.get("history", []))
         train_ids, test_ids, test = train_and_evaluate(ctx, train_ids=train_ids, test_ids=test_ids)
-        ctx.round += 1
-        conn.send(
-            Envelope(
-                kind=P.BYE, sender=cfg.active_name, session=conn.session_hex or "", round=ctx.round
-            )
-        )
-        stats_env = conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
+        stats_env = _bye(conn, ctx, cfg)
         roles = dict(stats_env.meta.get("stats", {}))
         roles[cfg.active_name] = {**conn.stats(), "auth_seconds": round(ctx.auth_seconds, 6)}
         metrics = {
@@ -146,6 +121,47 @@ def run_active(
         print(f"test: {shown}", file=out, flush=True)
         logger.info("finished; test metrics %s", test)
         return P.EXIT_OK
+
+
+@contextlib.contextmanager
+def _active_session(
+    cfg: RunConfig,
+    keys_dir: Path,
+    address: str,
+    logger: logging.Logger,
+    context: Any,
+    method: Any,
+    run_dir: Path,
+    start_epoch: int,
+    out: Any,
+) -> Iterator[tuple[RoleConnection, ActiveRound]]:
+    """Connect to the aggregator, join the session and build the active stage; a failure
+    inside is reported to the aggregator (so every role stops with its cause), and the
+    connection is closed on the way out."""
+    conn = RoleConnection.connect(
+        cfg=cfg,
+        name=cfg.active_name,
+        keys_dir=keys_dir,
+        address=address,
+        logger=logger,
+        nonce=pysecrets.token_hex(16),
+        context=context,
+    )
+    try:
+        session = conn.handshake()
+        ctx = ActiveRound(
+            cfg=cfg,
+            exchange=zmq_exchange(conn, cfg, logger),
+            session=session,
+            method=method,
+            run_dir=run_dir,
+            logger=logger,
+            start_epoch=start_epoch,
+            out=out,
+            mask_keypair=conn.secrets.mask,
+            mask_publics=conn.public.mask,
+        )
+        yield conn, ctx
     except P.RunAborted:
         raise
     except Exception as exc:
@@ -153,6 +169,17 @@ def run_active(
         raise
     finally:
         conn.close()
+
+
+def _bye(conn: RoleConnection, ctx: ActiveRound, cfg: RunConfig) -> Envelope:
+    """End the session: BYE to the aggregator, then its final stats of every role."""
+    ctx.round += 1
+    conn.send(
+        Envelope(
+            kind=P.BYE, sender=cfg.active_name, session=conn.session_hex or "", round=ctx.round
+        )
+    )
+    return conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
 
 
 def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> Path:
@@ -222,29 +249,9 @@ def run_active_scoring(
     method = method_spec(cfg.method).active_class()(table=table, config=cfg, device=device)
     method.load_state_dict(saved["method"])
     ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
-    conn = RoleConnection.connect(
-        cfg=cfg,
-        name=cfg.active_name,
-        keys_dir=keys_dir,
-        address=address,
-        logger=logger,
-        nonce=pysecrets.token_hex(16),
-        context=context,
-    )
-    try:
-        session = conn.handshake()
-        ctx = ActiveRound(
-            cfg=cfg,
-            exchange=zmq_exchange(conn, cfg, logger),
-            session=session,
-            method=method,
-            run_dir=run_dir,
-            logger=logger,
-            start_epoch=last + 1,
-            out=out,
-            mask_keypair=conn.secrets.mask,
-            mask_publics=conn.public.mask,
-        )
+    with _active_session(
+        cfg, keys_dir, address, logger, context, method, run_dir, last + 1, out
+    ) as (conn, ctx):
         ctx.start(train_ids=table.ids, ledger=ledger)
         ids, outputs = score(ctx)
         write_predictions(predictions, table, ids, outputs)
@@ -252,21 +259,8 @@ def run_active_scoring(
             metrics = prediction_metrics(cfg.task, table.label_rows(ids), outputs)
             print("scored: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=out)
         print(f"wrote {len(ids)} predictions to {predictions}", file=out, flush=True)
-        ctx.round += 1
-        conn.send(
-            Envelope(
-                kind=P.BYE, sender=cfg.active_name, session=conn.session_hex or "", round=ctx.round
-            )
-        )
-        conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
+        _bye(conn, ctx, cfg)
         return P.EXIT_OK
-    except P.RunAborted:
-        raise
-    except Exception as exc:
-        report_failure(conn, exc)
-        raise
-    finally:
-        conn.close()
 
 
 def write_predictions(path: Path, table: Any, ids: np.ndarray, outputs: np.ndarray) -> Path:
