@@ -31,19 +31,6 @@ class StandardVFLActive(JointHeadActive):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return self.complete(present)
 
-    def train_step(
-        self,
-        ctx: ActiveContext,
-        ids: np.ndarray,
-        present: tuple[str, ...],
-        *,
-        epoch: int,
-        rng: np.random.Generator,
-    ) -> tuple[float | None, int]:
-        if not self.sum_allowed(present):
-            return None, 1
-        return self.joint_step(ctx, ids, present, epoch=epoch), 0
-
     def predict_rows(
         self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
     ) -> Prediction:

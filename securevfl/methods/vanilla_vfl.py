@@ -98,19 +98,6 @@ class VanillaVFLActive(JointHeadActive):
     def trainable(self, present: tuple[str, ...]) -> bool:
         return len(present) == len(self.blocks)  # fully aligned rows only
 
-    def train_step(
-        self,
-        ctx: ActiveContext,
-        ids: np.ndarray,
-        present: tuple[str, ...],
-        *,
-        epoch: int,
-        rng: np.random.Generator,
-    ) -> tuple[float | None, int]:
-        if not self.sum_allowed(present):
-            return None, 1
-        return self.joint_step(ctx, ids, present, epoch=epoch), 0
-
     def predict_rows(
         self, ctx: ActiveContext, ids: np.ndarray, present: tuple[str, ...]
     ) -> Prediction:

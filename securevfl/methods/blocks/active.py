@@ -418,6 +418,21 @@ class JointHeadActive(BlockActive):
         self.update(ctx, ids, leaves, loss, epoch=epoch)
         return float(loss.detach())
 
+    def train_step(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        present: Subset,
+        *,
+        epoch: int,
+        rng: np.random.Generator,
+    ) -> tuple[float | None, int]:
+        """One joint step over the blocks present, or skipped (counted) when their sum would
+        be over fewer than min_group passive parties."""
+        if not self.sum_allowed(present):
+            return None, 1
+        return self.joint_step(ctx, ids, present, epoch=epoch), 0
+
     def joint_prediction(self, ctx: ActiveContext, ids: np.ndarray, present: Subset) -> Any:
         return self.predict_with(
             ctx, ids, present, lambda s: self.heads["joint"](self.fuse(s, present))
