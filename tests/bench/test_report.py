@@ -194,11 +194,13 @@ def test_report_renders_tables_plots_and_the_floors(tmp_path: Path) -> None:
 
 
 def test_budget_spent_starts_nothing_and_says_so(tmp_path: Path) -> None:
+    data = tmp_path / "credit_default.csv"  # never read: the budget is spent before any run
+    data.write_text("ID,X1,Y\n1,0.5,0\n")
     bench = R.Bench(
         out=tmp_path / "out",
         work=tmp_path / "work",
         quick=True,
-        data=F.CREDIT,
+        data=data,
         suites=["credit", "scaling", "crypto"],
         command="test",
         budget_minutes=0.0,
