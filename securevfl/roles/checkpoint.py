@@ -80,7 +80,7 @@ def load_checkpoint(run_dir: Path, role: str, epoch: int) -> dict[str, Any]:
 
     try:
         state = torch.load(path, weights_only=True)
-    except Exception as exc:  # a truncated zip, a foreign pickle: never load it half-way
+    except Exception as exc:  # truncated, or not a tensors-only file: never load it half-way
         raise CheckpointError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}); it is not a checkpoint this "
             "version wrote whole. Remove it to resume from the one before"

@@ -63,7 +63,7 @@ class _Entmax15(torch.autograd.Function):
 
 
 def sparsemax(z: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sparsemax (Martins & Astudillo 2016) along `dim`: the Euclidean projection onto the
+    """Sparsemax (Martins et al., ICML 2016) along `dim`: the Euclidean projection onto the
     simplex; rows sum to 1 with exact zeros. Does not modify `z`."""
     return _Sparsemax.apply(z, dim)
 
