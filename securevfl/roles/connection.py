@@ -159,7 +159,7 @@ class RoleConnection:
         except TransportError as exc:
             raise self._send_failed(exc) from None
 
-    def _send_failed(self, exc: Exception) -> P.RunAborted:
+    def _send_failed(self, exc: Exception) -> P.RunAborted | KeyMaterialError:
         """The aggregator did not take a message: usually it stopped the run a moment earlier
         (a budget stop, a refusal, a lost role) and its ABORT is already waiting here. End with
         that stop's cause when it is; otherwise the aggregator is lost."""
@@ -167,6 +167,10 @@ class RoleConnection:
         while (left := deadline - time.monotonic()) > 0:
             try:
                 env = self.peer.recv(timeout=left)
+            except HandshakeFailed as refused:  # the send failed because the key was refused
+                return self._wrong_hub(refused)
+            except KeyRefused as refused:
+                return self._refused(refused)
             except TransportError:
                 break
             if env.kind in (P.ABORT, P.ERROR):
