@@ -7,6 +7,7 @@ exit status 2.
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from collections.abc import Mapping
@@ -915,3 +916,31 @@ def _resolve(base: Path, value: str | None) -> Path:
         raise ConfigError("path", f"{value!r} contains a NUL character; fix the path")
     p = Path(value) if value is not None else Path()
     return p if p.is_absolute() else (base / p).resolve()
+
+
+def dump_toml(raw: Mapping[str, Any]) -> str:
+    """A config dict as TOML text, for the subset configs use: one table per section,
+    ``[parties.NAME]`` per party, values scalars, lists and inline tables. ``load_config`` of
+    the written file gives back ``raw``."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, Mapping):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return repr(v)
+
+    lines: list[str] = []
+    for section, table in raw.items():
+        if section == "parties":
+            for name, party in table.items():
+                lines.append(f"[parties.{name}]")
+                lines += [f"{k} = {value(v)}" for k, v in party.items()]
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"

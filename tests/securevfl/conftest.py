@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from securevfl.config import parse_config
+from securevfl.config import dump_toml, parse_config
 from securevfl.data.table import write_csv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,28 +91,7 @@ def write_toml(raw: dict, path: Path, *, strict: bool = False) -> Path:
     """`raw` as a TOML file; unless `strict`, with the permissive policy (see above)."""
     if not strict:
         permissive_policy(raw)
-    lines: list[str] = []
-
-    def value(v):
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return f'"{v}"'
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        return repr(v)
-
-    for section, table in raw.items():
-        if section == "parties":
-            for name, party in table.items():
-                lines.append(f"[parties.{name}]")
-                lines += [f"{k} = {value(v)}" for k, v in party.items()]
-            continue
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(dump_toml(raw))
     return path
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from securevfl.config import ConfigError, load_config, parse_config
+from securevfl.config import ConfigError, dump_toml, load_config, parse_config
 
 BASE = {
     "run": {"method": "splitnn", "aggregation": "mask", "seed": 0},
@@ -125,3 +125,19 @@ def test_overrides_replace_file_values(tmp_path):
     assert load_config(path, overrides=plain).aggregation == "plain"
     with pytest.raises(ConfigError, match=r"\[parties.a.policy\] aggregations"):
         load_config(path, overrides={"run.aggregation": "plain"})  # the parties never agreed
+
+
+def test_dump_toml_reads_back_as_the_same_dict():
+    import tomllib
+
+    raw = {
+        "run": {"name": 'q"uote\\d \u00e9', "epochs": 3, "lr": 1e-05, "flag": False},
+        "data": {"columns": ["a", "b"], "weights": (1.5, 2)},
+        "parties": {
+            "bank": {"data": "bank.csv", "policy": {"max_epsilon": 2.0, "ops": ["forward"]}},
+            "bureau": {"data": "bureau.csv"},
+        },
+    }
+    back = tomllib.loads(dump_toml(raw))
+    raw["data"]["weights"] = [1.5, 2]
+    assert back == raw
