@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import tenseal as ts
 
 from crypto.ckks import (
     DEFAULT_CKKS_PARAMS,
@@ -38,6 +37,8 @@ ROUNDS = 5
 PARAM_SETS = {
     "default": DEFAULT_CKKS_PARAMS,
     "chosen": choose_params(precision_bits=11, magnitude=2.0**10, terms=4).params,
+    # what a Credit run with 4 parties chooses by default ([secure] bound 2^20, 12 bits)
+    "credit": choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params,
 }
 
 
@@ -103,13 +104,15 @@ def _best_of(fn: Callable[[], object], repeats: int = 20) -> float:
 
 
 def main() -> None:
-    """Print the one-off figures for the default parameters (one full 4096-slot chunk)."""
+    """Print the one-off figures (best of 20, wall clock): one full chunk at the design's default
+    parameters, then one Credit split-NN batch (256 rows x width 16 = 4096 values, 4 parties
+    and the active party's sizing) at the parameters a run chooses by default and with
+    ``[secure] ckks.magnitude = 1024``."""
     key_holder = CkksKeyHolder()
     public = CkksPublic(context_bytes=key_holder.public_context_bytes())
     x = np.random.default_rng(0).normal(size=public.slots)
     a, b = public.encrypt(x), public.encrypt(x)
     total = public.add([a, b])
-    public_context = ts.context_from(key_holder.public_context_bytes())
     print(f"params: {public.params}")
     print(f"public context: {len(key_holder.public_context_bytes())} bytes")
     print(f"bytes per ciphertext chunk ({public.slots} values): {len(a.chunks[0])}")
@@ -118,11 +121,37 @@ def main() -> None:
         "add two chunks (load, add, serialize): "
         f"{_best_of(lambda: public.add([a, b])) * 1e3:.2f} ms"
     )
-    va, vb = (ts.ckks_vector_from(public_context, p.chunks[0]) for p in (a, b))
-    print(f"  of which homomorphic add_ alone: {_best_of(lambda: va.add_(vb)) * 1e6:.1f} us")
     print(
         f"decrypt one chunk (load, check, decrypt): "
         f"{_best_of(lambda: key_holder.decrypt_sum(total, shape=(public.slots,))) * 1e3:.2f} ms"
+    )
+    for label, magnitude in (("default bound 2^20", 2.0**20), ("ckks.magnitude 1024", 1024.0)):
+        _credit_batch(label, magnitude)
+
+
+def _credit_batch(label: str, magnitude: float) -> None:
+    """One Credit split-NN batch: 4 parties encrypt 256 x 16 values, the aggregator adds."""
+    params = choose_params(precision_bits=12, magnitude=magnitude, terms=5).params
+    holder = CkksKeyHolder(params=params)
+    party = CkksPublic(context_bytes=holder.public_context_bytes())
+    batch = np.random.default_rng(1).normal(size=256 * 16)
+    packs = [party.encrypt(batch) for _ in range(4)]
+    total = party.add(packs)
+
+    def prepared_encrypt() -> None:
+        party.prepare_zeros(batch.size)
+        party.encrypt(batch)
+
+    sent = sum(len(c) for c in packs[0].chunks)
+    encrypt = _best_of(lambda: party.encrypt(batch))
+    prepared = _best_of(prepared_encrypt)
+    add = _best_of(lambda: party.add(packs))
+    decrypt = _best_of(lambda: holder.decrypt_sum(total, shape=(256, 16)))
+    print(
+        f"Credit batch, {label}: {params}, {sent} bytes per party "
+        f"({sent / (4 * batch.size):.2f}x float32); encrypt {encrypt * 1e3:.2f} ms, "
+        f"prepare zeros + encrypt {prepared * 1e3:.2f} ms, add 4 {add * 1e3:.2f} ms, "
+        f"decrypt {decrypt * 1e3:.2f} ms"
     )
 
 

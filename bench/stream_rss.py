@@ -8,8 +8,9 @@ each step in a child process of its own, its peak resident memory (`wait4`'s ru_
 * ``baseline``: the floor, a child that imports the modules the other steps use and exits;
 * ``party``: one party whose own file is the whole table (it holds 22 of the 23 feature
   columns; a second party holds the last one): loading it, fitting its encoding and its scaler
-  on the training rows, and one epoch of batches (each batch's rows read, one-hot encoded and
-  scaled to float32, as the party's method does).
+  on the training rows (4 sorted positions in 5; their ids spooled to a file, as a party would
+  receive them), and one epoch of batches in a shuffled order (each batch's ids looked up, its
+  rows read, one-hot encoded and scaled to float32, as the party's method does).
 
 Streaming (the default for files over 256 MiB) at the full size, and streaming against holding
 the table in memory at a smaller size. Writes bench/results/stream_rss.json; the CSV and every
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -131,7 +133,7 @@ def step_split(csv: Path, root: Path, stream: bool) -> dict:
 def step_party(csv: Path, root: Path, stream: bool) -> dict:
     import numpy as np
 
-    from securevfl.data.table import load_party_table, train_test_split
+    from securevfl.data.table import load_party_table
     from securevfl.methods.blocks.nets import Standardizer
 
     cfg = config(csv, root, stream=stream, whole_table_party=True)
@@ -139,7 +141,16 @@ def step_party(csv: Path, root: Path, stream: bool) -> dict:
     t = time.perf_counter()
     table = load_party_table(csv, cfg, "all", cache_dir=root / "cache")
     phases["load"] = time.perf_counter() - t
-    train, _ = train_test_split(table.ids, test_fraction=0.2, seed=0)
+    # the training rows, as a party receives them: a list of ids (every sorted position but
+    # each fifth), spooled to a file and read through a read-only map, so that the bench itself
+    # holds no array with one entry per row
+    n = len(table)
+    train_path = root / "train.ids"
+    with train_path.open("wb") as fh:
+        for start, block in _id_blocks(table):
+            block[np.arange(start, start + len(block)) % 5 != 0].tofile(fh)
+    n_train = n - (n + 4) // 5
+    train = np.memmap(train_path, dtype=np.int64, mode="r") if n_train else np.empty(0, np.int64)
     t = time.perf_counter()
     table.prepare(train)
     phases["fit_encoding"] = time.perf_counter() - t
@@ -153,19 +164,43 @@ def step_party(csv: Path, root: Path, stream: bool) -> dict:
         scaler.fit(table.rows(train))
     phases["fit_scaler"] = time.perf_counter() - t
     t = time.perf_counter()
-    order = np.random.default_rng(0).permutation(train)
+    # one epoch in a shuffled order: train index i -> (a * i + c) mod n_train (a bijection),
+    # the k-th training id being the one at sorted position 5 (k // 4) + k % 4 + 1
+    a = 2_654_435_761
+    while math.gcd(a, max(n_train, 1)) != 1:
+        a += 2
     checksum = 0.0
-    for i in range(0, len(order), cfg.batch_size):
-        checksum += float(scaler.transform(table.rows(order[i : i + cfg.batch_size]))[0, 0])
+    for i in range(0, n_train, cfg.batch_size):
+        k = (a * np.arange(i, min(i + cfg.batch_size, n_train)) + 12345) % n_train
+        ids = _ids_at(table, 5 * (k // 4) + k % 4 + 1)
+        checksum += float(scaler.transform(table.rows(ids))[0, 0])
     phases["epoch"] = time.perf_counter() - t
     return {
         "phases_s": phases,
-        "rows_held": len(table),
+        "rows_held": n,
+        "train_rows": n_train,
         "encoded_columns": len(table.columns),
         "streamed": table.streamed,
-        "batches": -(-len(order) // cfg.batch_size),
+        "batches": -(-n_train // cfg.batch_size),
         "checksum": checksum,
     }
+
+
+def _id_blocks(table, rows: int = 1 << 20):
+    """(start, sorted ids) of the table, `rows` at a time (a streamed one reads its index)."""
+    if table.streamed:
+        start = 0
+        for block in table.rowstore.id_blocks(rows):
+            yield start, block
+            start += len(block)
+    else:
+        for start in range(0, len(table.ids), rows):
+            yield start, table.ids[start : start + rows]
+
+
+def _ids_at(table, positions):
+    """The sorted ids at `positions` (a streamed table reads them from its index)."""
+    return table.rowstore.ids_at(positions) if table.streamed else table.ids[positions]
 
 
 def step_baseline(csv: Path, root: Path, stream: bool) -> dict:
@@ -270,6 +305,17 @@ def run_size(
     return runs
 
 
+def _vmhwm_mb() -> float | None:
+    """This process's peak resident set since its exec (/proc VmHWM; Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=5.0, help="size of the streamed table (GB)")
@@ -292,6 +338,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         result = STEPS[args.child](args.csv, args.root, bool(args.stream))
+        result["child_vmhwm_mb"] = _vmhwm_mb()
         args.result.write_text(json.dumps(result))
         return
     work = Path(tempfile.mkdtemp(prefix="stream-rss-", dir=args.workdir))
@@ -322,12 +369,17 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
         },
         "notes": (
-            "peak_rss_mb: the child's ru_maxrss (resident set, anonymous and file-backed); "
+            "peak_rss_mb: the child's ru_maxrss (resident set, anonymous and file-backed; it "
+            "counts the pages the child shares with the parent between fork and exec, so it is "
+            "never below the parent's resident set at the fork); child_vmhwm_mb: the child's "
+            "own peak since exec (/proc VmHWM); "
             "step baseline: a child that only imports the modules the steps use (the floor); "
             "sampled_*: /proc/PID/status every 0.2 s. A streamed party reads each batch's rows "
             "from its row cache with pread, and scans (encoding and scaler fits) through memory "
             "maps whose pages are handed back to the kernel every 64 MiB, so the cache stays in "
-            "the page cache, not in the process."
+            "the page cache, not in the process. Its id index (sorted ids, each one's row) is "
+            "on disk too, built by an external merge sort while loading; memory keeps every "
+            "256th sorted id and, during a scan, one bit per row."
         ),
         "runs": runs,
     }

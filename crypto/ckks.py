@@ -8,8 +8,9 @@ Roles (DESIGN.md section 2, "ckks backend"):
 - :class:`CkksPublic` (passive parties and the aggregator) loads that public part. Parties
   :meth:`~CkksPublic.encrypt` their contributions; the aggregator :meth:`~CkksPublic.add`\\ s
   them. Neither can decrypt.
-- :class:`PackedCiphertexts` is what travels: one serialized CKKS vector per chunk of
-  ``slots`` values, each carried as one raw frame by the transport layer.
+- :class:`PackedCiphertexts` is what travels: one serialized CKKS ciphertext per chunk of
+  ``slots`` values (two per complex slot), each carried as one raw frame by the transport
+  layer.
 
 Integrity. A CKKS ciphertext has no integrity protection: it is a pair of polynomials, and
 almost any change to its coefficients yields another valid ciphertext that decrypts to
@@ -37,21 +38,27 @@ The public side re-checks the parameters of every context it receives, so a pass
 never encrypts under a context weaker than that. :func:`security_level` also reports whether a
 parameter set meets the 192- and 256-bit rows of the same standard.
 
-Parameters sized to the values. Sums need no multiplication, hence no rescaling level: one
-data prime (or a few, when the values need more than 60 bits) plus the special prime suffice.
-:func:`choose_params` picks the smallest degree and chain that keep the requested security, a
-requested precision of the released sum (bits after the point, flooding included) and a
-magnitude bound for a sum of K contributions. A ciphertext then costs ``32 * data primes``
-bytes per value before compression (96 at the design's defaults).
+Parameters sized to the values. Sums need no multiplication, hence no rescaling level, and no
+prime has to match the scale: the data primes (one, or a few when the values need more than
+60 bits) only need a product that holds the scale plus the sum's integer bits, plus the
+special prime. :func:`choose_params` picks the smallest degree and the shortest chain whose
+data modulus has exactly the bits that the requested security, the requested precision of the
+released sum (bits after the point, flooding included) and a magnitude bound for a sum of K
+contributions need. A ciphertext then costs ``16 * data primes`` bytes per value before
+compression, and SEAL's zstd compression of the 64-bit coefficient words brings that close to
+``data bits / 4`` (e.g. 15 bytes per value for one 56-bit prime, 3.8x a float32).
 
-Speed. Every ciphertext carries ``slots`` values (the last chunk of an array is the only
-partial one). TenSEAL 0.3 holds the GIL in encryption, decryption, serialisation and loading
-(measured by ``bench/ckks_params.py``: a pure-Python thread beside them runs no faster than
-beside a GIL-holding loop), so a thread pool cannot encrypt chunks in parallel; instead
-:meth:`CkksPublic.prepare_zeros` precomputes encryptions of zero off the critical path, and
-:meth:`CkksPublic.encrypt` then only encodes and adds each chunk into one (SEAL's encryption is
-exactly an encryption of zero plus the plaintext, so the result is a fresh encryption). Each
-encryption of zero is used once. A chunk travels as the bytes TenSEAL serialises, unchanged.
+Packing and speed. Two real values share each complex CKKS slot, so a ciphertext of degree N
+carries N values (TenSEAL's real-only vectors carry N/2 for the same bytes and time); every
+chunk is full but an array's last. The module drives SEAL through TenSEAL's ``sealapi``
+binding (TenSEAL itself only creates and serialises the context). SEAL holds the GIL in
+encryption, decryption, serialisation and loading (measured by ``bench/ckks_params.py``: a
+pure-Python thread beside them runs no faster than beside a GIL-holding loop), so a thread
+pool cannot encrypt chunks in parallel; instead :meth:`CkksPublic.prepare_zeros` precomputes
+encryptions of zero off the critical path, and :meth:`CkksPublic.encrypt` then only encodes
+and adds each chunk into one (SEAL's encryption is exactly an encryption of zero plus the
+plaintext, so the result is a fresh encryption). Each encryption of zero is used once. A chunk
+travels as a 4-byte value count and SEAL's serialisation of the ciphertext, unchanged.
 
 Decryptions that leave the key holder. CKKS is approximate: a decryption is the message plus
 an error that depends on the secret key, and an adversary who sees exact decryptions of
@@ -75,13 +82,18 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
+import struct
+import tempfile
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import tenseal as ts
-import tenseal.sealapi  # noqa: F401  (registers SEAL types, e.g. Modulus, with pybind11)
+import tenseal.sealapi as sealapi  # SEAL itself: complex slots, encrypt_zero, add
 
 __all__ = [
     "MAX_COEFF_MODULUS_BITS",
@@ -137,9 +149,9 @@ class CkksError(ValueError):
 class CkksParams:
     """CKKS encryption parameters; :meth:`validate` refuses anything below 128-bit security.
 
-    ``coeff_mod_bit_sizes`` is the prime chain: the first prime holds the decrypted value,
-    the middle primes are rescaling levels (unused by sums), the last is the special prime
-    used for key switching.
+    ``coeff_mod_bit_sizes`` is the prime chain: every prime but the last together form the data
+    modulus that holds an encoded sum (sums need no rescaling, so no prime has to match the
+    scale), the last is the special prime used for key switching.
     """
 
     poly_modulus_degree: int = 8192
@@ -152,7 +164,8 @@ class CkksParams:
         Refuses: a degree that is not a power of two in [1024, 32768]; fewer than two primes;
         a prime outside [log2(2 * degree) + 1, 60] bits; a total modulus above SEAL's
         128-bit limit for the degree (see :data:`MAX_COEFF_MODULUS_BITS_128`); a scale below
-        20 bits, above the smallest middle prime, or not below the first prime.
+        20 bits, or one that leaves the data modulus no room for a sum's integer part
+        (:attr:`magnitude_bits` below 0).
         """
         n = self.poly_modulus_degree
         if isinstance(n, bool) or not isinstance(n, int):
@@ -198,22 +211,19 @@ class CkksParams:
                 f"scale_bits = {s} is below {_MIN_SCALE_BITS}; the decrypted sum would be too "
                 "imprecise."
             )
-        middle = sizes[1:-1]
-        if middle and s > min(middle):
+        data_primes = len(sizes) - 1
+        if self.data_bits - data_primes - s - 2 < 0:
+            # sums need no rescaling, so only the data modulus as a whole must hold the scale
             raise ValueError(
-                f"scale_bits = {s} exceeds the smallest middle prime of coeff_mod_bit_sizes "
-                f"({min(middle)} bits); make them equal, e.g. scale_bits = {min(middle)}."
-            )
-        if s >= sizes[0]:
-            raise ValueError(
-                f"scale_bits = {s} must be below the first prime of coeff_mod_bit_sizes "
-                f"({sizes[0]} bits), which must also hold the integer part of the sum."
+                f"scale_bits = {s} leaves no room for the integer part of a sum: the data primes "
+                f"{sizes[:-1]} hold {self.data_bits} bits, which must be at least scale_bits + "
+                f"{data_primes + 2}; add bits to the data primes or lower scale_bits."
             )
 
     @property
     def slots(self) -> int:
-        """Number of real values one CKKS ciphertext carries."""
-        return self.poly_modulus_degree // 2
+        """Number of real values one ciphertext carries: two per complex CKKS slot."""
+        return self.poly_modulus_degree
 
     @property
     def data_bits(self) -> int:
@@ -224,9 +234,11 @@ class CkksParams:
     def magnitude_bits(self) -> int:
         """A sum whose values stay below ``2**magnitude_bits`` in magnitude decrypts correctly.
 
-        Each b-bit prime is at least 2**(b-1), so Q >= 2**(data_bits - data primes); an
-        encoded value's coefficients reach ``2**scale_bits * |value|``, which must stay below
-        Q/2; one more bit is left for the noise.
+        Each b-bit prime is at least 2**(b-1), so Q >= 2**(data_bits - data primes); two
+        values share a complex slot, whose modulus is at most sqrt(2) times the larger, and an
+        encoded polynomial's coefficients reach ``2**scale_bits`` times the largest slot
+        modulus, which must stay below Q/2: half a bit for the sqrt(2), half a bit left for
+        the noise.
         """
         data_primes = len(self.coeff_mod_bit_sizes) - 1
         return self.data_bits - data_primes - self.scale_bits - 2
@@ -323,8 +335,9 @@ def choose_params(
     flooding (see :class:`DecryptionRelease`), at ``security_bits`` (128, 192 or 256).
 
     Smallest degree first, then the shortest chain: a scale just large enough for the
-    precision (by :func:`error_bound`), data primes just large enough for the scale plus the
-    sum's integer bits, and a 20-bit special prime. Promises parameters that
+    precision (by :func:`error_bound`), the fewest data primes whose product just holds the
+    scale plus the sum's integer bits (split evenly: no prime needs to match the scale, since
+    sums never rescale), and a 20-bit special prime. Promises parameters that
     :meth:`CkksParams.validate` accepts and that meet the security row. Refuses (ValueError)
     non-positive terms or magnitude, an unknown security level, and requirements no degree up
     to 32768 can meet, saying which.
@@ -347,7 +360,9 @@ def choose_params(
             _MIN_SCALE_BITS,
             math.ceil(precision_bits + flood_bits + noise_bits + 0.5 * math.log2(terms)),
         )
-        primes = _data_primes(scale=scale, sum_bits=sum_bits)
+        primes = _data_primes(
+            scale=scale, sum_bits=sum_bits, min_bits=int(math.log2(2 * degree)) + 1
+        )
         if primes is None:
             tried.append(f"{degree}: scale {scale} leaves no room below {_MAX_PRIME_BITS} bits")
             continue
@@ -365,22 +380,19 @@ def choose_params(
     )
 
 
-def _data_primes(*, scale: int, sum_bits: int) -> tuple[int, ...] | None:
-    """Data prime sizes holding ``scale + sum_bits`` bits with the margins of
-    :attr:`CkksParams.magnitude_bits`, valid under :meth:`CkksParams.validate`; None if the
-    scale cannot fit below the largest prime."""
+def _data_primes(*, scale: int, sum_bits: int, min_bits: int) -> tuple[int, ...] | None:
+    """The fewest data primes, of near-equal sizes, whose product holds ``scale + sum_bits``
+    bits with the margins of :attr:`CkksParams.magnitude_bits` (each b-bit prime counts as b - 1
+    bits); None if the scale cannot fit below the largest prime. Sums never rescale, so the
+    primes need not match the scale: the data modulus has exactly the bits it needs, and a
+    ciphertext serialises to about that many bits per coefficient."""
     if scale >= _MAX_PRIME_BITS:
         return None
     for count in range(1, 8):
-        # Q >= 2**(total - count) must exceed 2**(scale + sum_bits + 2)
-        total = scale + sum_bits + 2 + count
-        first = total - (count - 1) * scale if count > 1 else total
-        if count > 1 and first <= scale:  # spread evenly, every middle prime >= scale
-            size = math.ceil(total / count)
-            sizes = (max(size, scale + 1), *([max(size, scale)] * (count - 1)))
-        else:
-            sizes = (first, *([scale] * (count - 1)))
-        if all(bits <= _MAX_PRIME_BITS for bits in sizes):
+        total = scale + sum_bits + 2 + count  # Q >= 2**(total - count) > 2**(scale + sum_bits + 2)
+        size, extra = divmod(total, count)
+        sizes = tuple(max(size + (i < extra), min_bits) for i in range(count))
+        if sizes[0] <= _MAX_PRIME_BITS:
             return sizes
     return None
 
@@ -470,13 +482,31 @@ def _params_of(context: ts.Context) -> CkksParams:
 
 
 class _CkksCodec:
-    """Shared chunking, loading and checking of ciphertexts for one context."""
+    """Encoding, chunk framing, saving, loading and checking of ciphertexts for one context.
+
+    Two real values share one complex CKKS slot (value ``2j`` in the real part, ``2j + 1`` in
+    the imaginary part), so a ciphertext of degree N carries N values, twice what TenSEAL's
+    real-only vectors carry, for the same bytes and nearly the same encryption time. A chunk on
+    the wire is a 4-byte little-endian value count (the sender's claim, checked against the
+    other contributors and the key holder's shape) followed by SEAL's own serialisation of
+    the ciphertext (zstd-compressed by SEAL, which drops the unused high bits of each 64-bit
+    coefficient word). SEAL's Python binding saves and loads ciphertexts through file paths
+    only, so each codec keeps a private directory (mode 0700) on tmpfs (``/dev/shm`` where
+    present) as its scratch space: one ciphertext at a time, removed right after the save or
+    load, never a key; the directory goes with the codec.
+    """
 
     def __init__(self, context: ts.Context, params: CkksParams) -> None:
         self._context = context
         self._params = params
         self._scale = 2.0**params.scale_bits
-        self._first_parms_id = context.seal_context().data.first_parms_id()
+        self.seal = context.seal_context().data
+        self._first_parms_id = self.seal.first_parms_id()
+        self.encoder = sealapi.CKKSEncoder(self.seal)
+        self.evaluator = sealapi.Evaluator(self.seal)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self._scratch = tempfile.mkdtemp(prefix="securevfl-ckks-", dir=base)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._scratch, True)
 
     @property
     def params(self) -> CkksParams:
@@ -485,8 +515,45 @@ class _CkksCodec:
 
     @property
     def slots(self) -> int:
-        """Values per ciphertext chunk."""
+        """Values per ciphertext chunk (two per complex slot)."""
         return self._params.slots
+
+    def _path(self) -> str:
+        # one file per thread: the party's worker thread and its main thread never share one
+        return os.path.join(self._scratch, f"{threading.get_ident()}.ct")
+
+    def encode(self, values: np.ndarray) -> Any:
+        """A plaintext of up to ``slots`` real values, two per complex slot, at the scale."""
+        z = np.zeros(self.slots // 2, dtype=np.complex128)
+        z.real[: (values.size + 1) // 2] = values[0::2]
+        z.imag[: values.size // 2] = values[1::2]
+        plain = sealapi.Plaintext()
+        self.encoder.encode(z.tolist(), self._scale, plain)
+        return plain
+
+    def decode(self, plain: Any, count: int) -> np.ndarray:
+        """The first ``count`` real values of a decrypted plaintext."""
+        z = np.asarray(self.encoder.decode_complex(plain), dtype=np.complex128)
+        out = np.empty(2 * z.size, dtype=np.float64)
+        out[0::2], out[1::2] = z.real, z.imag
+        return out[:count]
+
+    def zero(self, encryptor: Any) -> Any:
+        """A fresh public-key encryption of zero at the top level and the context's scale."""
+        ct = sealapi.Ciphertext(self.seal)
+        encryptor.encrypt_zero(ct)
+        ct.scale = self._scale
+        return ct
+
+    def dump(self, ct: Any, count: int) -> bytes:
+        """The chunk bytes of a ciphertext carrying ``count`` values."""
+        path = self._path()
+        try:
+            ct.save(path)
+            with open(path, "rb") as f:
+                return _COUNT.pack(count) + f.read()
+        finally:
+            _unlink_quietly(path)
 
     def check_layout(self, packed: PackedCiphertexts, *, what: str) -> None:
         if not isinstance(packed, PackedCiphertexts):
@@ -498,39 +565,40 @@ class _CkksCodec:
                 f"{expected} chunks of {self.slots} slots."
             )
 
-    def load(self, data: bytes, *, expected_len: int | None, what: str) -> ts.CKKSVector:
-        """Deserialize one chunk and check everything that can be checked about it.
-
-        ``expected_len=None`` accepts any value count from 1 to ``slots``.
-        """
-        if not isinstance(data, bytes):
+    def load(
+        self, data: bytes | bytearray | memoryview, *, expected_len: int | None, what: str
+    ) -> tuple[Any, int]:
+        """Parse one chunk and check everything that can be checked about it; returns the
+        ciphertext and its value count. ``expected_len=None`` accepts any count from 1 to
+        ``slots``."""
+        if not isinstance(data, bytes | bytearray | memoryview):
             raise CkksError(f"{what} is a {type(data).__name__}, not bytes.")
-        if not data:
+        view = memoryview(data).cast("B")
+        if not view.nbytes:
             raise CkksError(f"{what} is empty.")
-        if len(data) > self._params.max_chunk_bytes:
+        if view.nbytes > self._params.max_chunk_bytes:
             raise CkksError(
-                f"{what} is {len(data)} bytes, more than the {self._params.max_chunk_bytes} a "
+                f"{what} is {view.nbytes} bytes, more than the {self._params.max_chunk_bytes} a "
                 "ciphertext of these parameters can take."
             )
+        if view.nbytes <= _COUNT.size:
+            raise CkksError(
+                f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
+                f"or made with other parameters): {view.nbytes} bytes."
+            )
+        path = self._path()
+        with open(path, "wb") as f:
+            f.write(view[_COUNT.size :])
+        ct = sealapi.Ciphertext(self.seal)
         try:
-            vector = ts.ckks_vector_from(self._context, data)
-            ciphertexts = vector.ciphertext()
-        except Exception as exc:  # TenSEAL/SEAL raise ValueError, RuntimeError, IndexError...
+            ct.load(self.seal, path)  # SEAL checks the header, sizes and every coefficient < q
+        except Exception as exc:  # SEAL raises ValueError, RuntimeError, IOError...
             raise CkksError(
                 f"{what} is not a valid CKKS ciphertext for this context "
                 f"(truncated, corrupted or made with other parameters): {exc}."
             ) from exc
-        if len(ciphertexts) != 1:
-            raise CkksError(
-                f"{what} holds {len(ciphertexts)} ciphertexts; each chunk must hold exactly one."
-            )
-        ct = ciphertexts[0]
-        size = vector.size()
-        if expected_len is None:
-            if not 1 <= size <= self.slots:
-                raise CkksError(f"{what} carries {size} values; 1 to {self.slots} were expected.")
-        elif size != expected_len:
-            raise CkksError(f"{what} carries {size} values; {expected_len} were expected.")
+        finally:
+            _unlink_quietly(path)
         if ct.size() != 2:
             raise CkksError(
                 f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
@@ -541,18 +609,35 @@ class _CkksCodec:
             raise CkksError(f"{what} has scale {ct.scale}, not 2^{self._params.scale_bits}.")
         if ct.is_transparent():
             raise CkksError(f"{what} is transparent (not encrypted).")
-        return vector
+        (size,) = _COUNT.unpack_from(view)
+        if expected_len is None:
+            if not 1 <= size <= self.slots:
+                raise CkksError(f"{what} carries {size} values; 1 to {self.slots} were expected.")
+        elif size != expected_len:
+            raise CkksError(f"{what} carries {size} values; {expected_len} were expected.")
+        return ct, size
 
-    def load_all(self, packed: PackedCiphertexts, *, what: str) -> list[ts.CKKSVector]:
+    def load_all(self, packed: PackedCiphertexts, *, what: str) -> list[Any]:
         self.check_layout(packed, what=what)
         return [
             self.load(
                 chunk,
                 expected_len=_chunk_length(i, packed.length, self.slots),
                 what=f"{what} chunk {i}",
-            )
+            )[0]
             for i, chunk in enumerate(packed.chunks)
         ]
+
+
+_COUNT = struct.Struct("<I")
+
+
+def _unlink_quietly(path: str) -> None:
+    # a scratch file lives only for one save or load: nothing is left behind, even on a kill
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 # SEAL's error distribution: a discrete Gaussian of standard deviation 3.2
@@ -631,6 +716,7 @@ class CkksKeyHolder:
         context.global_scale = 2.0**params.scale_bits
         self._context = context
         self._codec = _CkksCodec(context, params)
+        self._decryptor = sealapi.Decryptor(self._codec.seal, context.secret_key().data)
         self._public_bytes = context.serialize(
             save_public_key=True,
             save_secret_key=False,
@@ -684,12 +770,14 @@ class CkksKeyHolder:
             raise CkksError(
                 f"shape {shape} has {size} values but the ciphertexts carry {packed.length}."
             )
-        vectors = self._codec.load_all(packed, what="sum")
+        ciphertexts = self._codec.load_all(packed, what="sum")
         out = np.empty(size, dtype=np.float64)
-        for i, vector in enumerate(vectors):
+        for i, ct in enumerate(ciphertexts):
             start = i * self.slots
-            values = vector.decrypt()
-            out[start : start + len(values)] = values
+            count = _chunk_length(i, size, self.slots)
+            plain = sealapi.Plaintext()
+            self._decryptor.decrypt(ct, plain)
+            out[start : start + count] = self._codec.decode(plain, count)
         if release is not None:
             out = release.apply(out, self.params, terms=terms)
         return out.reshape(shape)
@@ -728,10 +816,10 @@ class CkksPublic:
             raise CkksError(f"the received context is refused: {exc}") from exc
         self._context = context
         self._codec = _CkksCodec(context, params)
+        self._encryptor = sealapi.Encryptor(self._codec.seal, context.public_key().data)
         self._fingerprint = context_fingerprint(context_bytes)
-        # chunk length -> encryptions of zero of that length, each to be used once
-        self._zeros: dict[int, list[Any]] = {}
-        self._zero_count = 0
+        # encryptions of zero (any chunk can use any of them), each to be used once
+        self._zeros: list[Any] = []
 
     @property
     def params(self) -> CkksParams:
@@ -763,48 +851,47 @@ class CkksPublic:
         if not packed.chunks:
             return packed
         last = len(packed.chunks) - 1
-        vector = self._codec.load(packed.chunks[last], expected_len=None, what=f"chunk {last}")
-        packed.length = last * self.slots + vector.size()
+        _, count = self._codec.load(packed.chunks[last], expected_len=None, what=f"chunk {last}")
+        packed.length = last * self.slots + count
         return packed
 
     @property
     def prepared_zeros(self) -> int:
         """How many encryptions of zero are ready for :meth:`encrypt`."""
-        return self._zero_count
+        return len(self._zeros)
 
     @property
     def ready_zeros(self) -> int:
         """How many prepared encryptions of zero are waiting to be used."""
-        return self._zero_count
+        return len(self._zeros)
 
     def prepare_zeros(self, length: int) -> None:
         """Precompute the encryptions of zero that an :meth:`encrypt` of ``length`` values will
-        use (its full chunks and its last, partial one), so that call only encodes and adds.
+        use (one per chunk), so that call only encodes, adds and serialises.
 
-        Call it off the critical path: TenSEAL holds the GIL, so from a thread it overlaps
-        with waiting (on the network), not with other computation. Refuses a negative length
-        and more than :data:`MAX_PREPARED_ZEROS` ready ciphertexts (CkksError).
+        Call it off the critical path: SEAL holds the GIL, so from a thread it overlaps with
+        waiting (on the network), not with other computation. Refuses a negative length and
+        more than :data:`MAX_PREPARED_ZEROS` ready ciphertexts (CkksError).
         """
         if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 0:
             raise CkksError(f"length must be a non-negative int, got {length!r}.")
         count = _num_chunks(int(length), self.slots)
-        if self._zero_count + count > MAX_PREPARED_ZEROS:
+        if len(self._zeros) + count > MAX_PREPARED_ZEROS:
             raise CkksError(
-                f"{self._zero_count} encryptions of zero are ready and {count} more would pass "
+                f"{len(self._zeros)} encryptions of zero are ready and {count} more would pass "
                 f"the limit of {MAX_PREPARED_ZEROS}; encrypt first."
             )
-        for index in range(count):
-            size = _chunk_length(index, int(length), self.slots)
-            zero = ts.ckks_vector(self._context, np.zeros(size))
-            self._zeros.setdefault(size, []).append(zero)
-            self._zero_count += 1
+        for _ in range(count):
+            self._zeros.append(self._codec.zero(self._encryptor))
 
     def encrypt(self, x: Any) -> PackedCiphertexts:
-        """Encrypt an array: flattened (C order) into chunks of ``slots`` values each.
+        """Encrypt an array: flattened (C order) into chunks of ``slots`` values each, two
+        values per complex slot.
 
-        A chunk uses a prepared encryption of zero of its length when one is ready (see
-        :meth:`prepare_zeros`), else encrypts afresh: the same distribution either way.
-        Refuses with :class:`CkksError` non-numeric or non-finite input and values beyond
+        A chunk uses a prepared encryption of zero when one is ready (see
+        :meth:`prepare_zeros`), else encrypts afresh: the same distribution either way (SEAL's
+        encryption is an encryption of zero plus the plaintext). Refuses with
+        :class:`CkksError` non-numeric or non-finite input and values beyond
         ``2**params.magnitude_bits`` (too large for a sum to decrypt). An empty array gives
         zero chunks.
         """
@@ -824,29 +911,30 @@ class CkksPublic:
         chunks: list[bytes] = []
         for start in range(0, flat.size, self.slots):
             values = flat[start : start + self.slots]
-            ready = self._zeros.get(values.size)
             try:
-                if ready:
-                    vector = ready.pop()  # used once: a reused zero would leak differences
-                    self._zero_count -= 1
-                    vector.add_(values)
+                plain = self._codec.encode(values)
+                if self._zeros:
+                    ct = self._zeros.pop()  # used once: a reused zero would leak differences
+                    self._codec.evaluator.add_plain_inplace(ct, plain)
                 else:
-                    vector = ts.ckks_vector(self._context, values)
+                    ct = sealapi.Ciphertext(self._codec.seal)
+                    self._encryptor.encrypt(plain, ct)
             except (ValueError, RuntimeError) as exc:  # "encoded values are too large"
                 raise CkksError(f"cannot encrypt values starting at index {start}: {exc}.") from exc
-            chunks.append(vector.serialize())
+            chunks.append(self._codec.dump(ct, values.size))
         return PackedCiphertexts(chunks=chunks, length=int(flat.size))
 
     def load_contribution(self, frames: Sequence[bytes | bytearray | memoryview]) -> list[Any]:
         """Parse and check every chunk of one contributor's frames (for an aggregator that
         validates each contribution as it arrives, so a malformed one is rejected alone).
-        Returns loaded vectors for :meth:`add_loaded`; refuses like :meth:`add`."""
-        packed = self.packed_from_frames(frames)
-        self._codec.check_layout(packed, what="contribution")
+        Returns loaded chunks for :meth:`add_loaded`; refuses like :meth:`add`. Each chunk is
+        parsed once: every chunk but the last must be full, the last carries 1 to ``slots``
+        values (the length is the sender's claim, checked against the others' by
+        :meth:`add_loaded` and against the true shape by the key holder)."""
+        packed = PackedCiphertexts.from_frames(frames, length=0)
+        last = len(packed.chunks) - 1
         return [
-            self._codec.load(
-                c, expected_len=_chunk_length(i, packed.length, self.slots), what=f"chunk {i}"
-            )
+            self._codec.load(c, expected_len=None if i == last else self.slots, what=f"chunk {i}")
             for i, c in enumerate(packed.chunks)
         ]
 
@@ -854,22 +942,25 @@ class CkksPublic:
         """Sum contributions already loaded by :meth:`load_contribution` (consumes them)."""
         if not contributions:
             raise CkksError("add needs at least one contribution, got none.")
-        sizes = [[v.size() for v in c] for c in contributions]
+        sizes = [[count for _, count in c] for c in contributions]
         if any(s != sizes[0] for s in sizes):
             raise CkksError(
                 "contributions to one sum must have the same chunk layout; "
                 f"got value counts {sizes}."
             )
-        totals = contributions[0]
+        totals = [ct for ct, _ in contributions[0]]
         for other in contributions[1:]:
-            for total, vector in zip(totals, other, strict=True):
-                total.add_(vector)
-        return PackedCiphertexts(chunks=[t.serialize() for t in totals], length=int(sum(sizes[0])))
+            for total, (ct, _) in zip(totals, other, strict=True):
+                self._codec.evaluator.add_inplace(total, ct)
+        return PackedCiphertexts(
+            chunks=[self._codec.dump(t, n) for t, n in zip(totals, sizes[0], strict=True)],
+            length=int(sum(sizes[0])),
+        )
 
     def add(self, contributions: Sequence[PackedCiphertexts]) -> PackedCiphertexts:
         """Homomorphic sum of the contributions, chunk by chunk.
 
-        Adds in place on the first contribution's vector and serializes once per chunk.
+        Adds in place on the first contribution's ciphertext and serializes once per chunk.
         Refuses with :class:`CkksError`: no contributions, different lengths, wrong chunk
         counts, and any chunk that fails the checks of the module docstring (naming the
         contributor and chunk). The minimum group size is the caller's rule, not checked here.
@@ -888,18 +979,17 @@ class CkksPublic:
         chunks: list[bytes] = []
         for i in range(_num_chunks(length, self.slots)):
             expected_len = _chunk_length(i, length, self.slots)
-            total = self._codec.load(
+            total, _ = self._codec.load(
                 contributions[0].chunks[i],
                 expected_len=expected_len,
                 what=f"contribution 0 chunk {i}",
             )
             for k in range(1, len(contributions)):
-                total.add_(
-                    self._codec.load(
-                        contributions[k].chunks[i],
-                        expected_len=expected_len,
-                        what=f"contribution {k} chunk {i}",
-                    )
+                ct, _ = self._codec.load(
+                    contributions[k].chunks[i],
+                    expected_len=expected_len,
+                    what=f"contribution {k} chunk {i}",
                 )
-            chunks.append(total.serialize())
+                self._codec.evaluator.add_inplace(total, ct)
+            chunks.append(self._codec.dump(total, expected_len))
         return PackedCiphertexts(chunks=chunks, length=length)

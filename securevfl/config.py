@@ -22,6 +22,9 @@ TASKS = ("binary", "multiclass", "regression")
 TRANSPORTS = ("zmq", "inproc")
 DEVICES = ("cpu", "cuda")
 OPTIMIZERS = ("adam", "sgd")
+# how a role's categorical columns reach its model ("auto": the method's default, the first of
+# its `MethodSpec.encodings`); `securevfl.data.columns.ENCODINGS` are the two encodings
+CATEGORICAL = ("auto", "onehot", "embedding")
 ROLE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 RESERVED_ROLE_NAMES = ("aggregator",)
 
@@ -50,6 +53,8 @@ class PartyConfig:
     policy: ReleasePolicy = field(default_factory=ReleasePolicy)
     # column -> numeric|boolean|categorical; columns not named are inferred from the data
     types: tuple[tuple[str, str], ...] = ()
+    # onehot | embedding | auto for this party's categorical columns; None: [data] categorical
+    categorical: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class RunConfig:
     # [data] stream: None ("auto") streams role files over 256 MiB from a row cache on disk
     stream: bool | None = None
     positive: str | None = None  # binary task: the label value that is class 1
+    # [data] categorical: every role's categorical columns (a role's own key overrides it)
+    categorical: str = "auto"
     # which of the active party's ids each party holds, from `securevfl align` (presence.csv):
     # set-up then sends each party only the ids it shares with the label holder
     presence_path: Path | None = None
@@ -116,6 +123,7 @@ class RunConfig:
     active_name: str = "active"
     active_columns: tuple[str, ...] = ()
     active_types: tuple[tuple[str, str], ...] = ()  # column -> numeric|boolean|categorical
+    active_categorical: str | None = None  # [active] categorical; None: [data] categorical
     parties: tuple[PartyConfig, ...] = ()
     # [train]
     epochs: int = 10
@@ -127,6 +135,9 @@ class RunConfig:
     hidden: tuple[int, ...] = (64,)
     width: int = 16
     head_hidden: tuple[int, ...] = ()
+    # [model] embedding_dim: the width of each categorical column's embedding; None: the rule
+    # min(16, round(1.6 * n ** 0.56)) of its n codes (`securevfl.methods.blocks.embedding`)
+    embedding_dim: int | None = None
     # [secure]
     frac_bits: int = 20
     bound: float = 2.0**20
@@ -140,6 +151,9 @@ class RunConfig:
     round_timeout: float = 120.0
     startup_timeout: float = 120.0
     aggregator_in_active: bool = False
+    # a batch's update call rides in the envelope of the next batch's call to the same parties
+    # when the method declares the pair (`MethodSpec.fuse`): one round trip per batch, not two
+    fuse_rounds: bool = True
     # [missing]
     missing_train: MissingSpec = field(default_factory=MissingSpec)
     missing_test: MissingSpec = field(default_factory=MissingSpec)
@@ -266,11 +280,14 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "stream",
             "positive",
             "presence",
+            "categorical",
         },
     )
-    a = _Section(raw, "active", {"name", "columns", "dp_sgd", "max_epsilon", "types"})
+    a = _Section(
+        raw, "active", {"name", "columns", "dp_sgd", "max_epsilon", "types", "categorical"}
+    )
     t = _Section(raw, "train", {"epochs", "batch_size", "lr", "optimizer", "weight_decay"})
-    m = _Section(raw, "model", {"hidden", "width", "head_hidden"})
+    m = _Section(raw, "model", {"hidden", "width", "head_hidden", "embedding_dim"})
     s = _Section(raw, "secure", {"frac_bits", "bound", "ckks"})
     n = _Section(
         raw,
@@ -284,6 +301,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "round_timeout",
             "startup_timeout",
             "aggregator_in_active",
+            "fuse_rounds",
         },
     )
     mi = _Section(raw, "missing", {"train", "test", "labeled", "aligned"})
@@ -321,12 +339,16 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         delimiter=_delimiter(d.raw("delimiter")),
         stream=_stream(d.raw("stream")),
         positive=d.string("positive", None),
+        categorical=d.choice("categorical", D.categorical, CATEGORICAL),
         presence_path=(
             None if d.raw("presence") is None else _resolve(base, d.string("presence", None))
         ),
         active_name=_role_name(a.string("name", D.active_name), "[active] name"),
         active_columns=a.string_list("columns", []),
         active_types=_types(a.raw("types"), "[active] types"),
+        active_categorical=(
+            None if a.raw("categorical") is None else a.choice("categorical", "auto", CATEGORICAL)
+        ),
         parties=_parties(raw.get("parties"), _policy_table(raw.get("policy"), "[policy]")),
         epochs=t.integer("epochs", D.epochs, minimum=1),
         batch_size=t.integer("batch_size", D.batch_size, minimum=1),
@@ -336,6 +358,11 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         hidden=tuple(m.int_list("hidden", list(D.hidden), minimum=1)),
         width=m.integer("width", D.width, minimum=1),
         head_hidden=tuple(m.int_list("head_hidden", list(D.head_hidden), minimum=1)),
+        embedding_dim=(
+            None
+            if m.raw("embedding_dim") is None
+            else m.integer("embedding_dim", 1, minimum=1, maximum=1024)
+        ),
         frac_bits=s.integer(
             "frac_bits", int(secure_defaults.get("frac_bits", D.frac_bits)), minimum=1, maximum=52
         ),
@@ -354,6 +381,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         round_timeout=n.number("round_timeout", D.round_timeout, minimum=0.1),
         startup_timeout=n.number("startup_timeout", D.startup_timeout, minimum=0.1),
         aggregator_in_active=n.boolean("aggregator_in_active", D.aggregator_in_active),
+        fuse_rounds=n.boolean("fuse_rounds", D.fuse_rounds),
         missing_train=_missing(mi.raw("train"), "[missing] train"),
         missing_test=_missing(mi.raw("test"), "[missing] test"),
         labeled=None if mi.raw("labeled") is None else mi.integer("labeled", 0, minimum=1),
@@ -649,7 +677,15 @@ def _parties(raw: Any, policy_defaults: Mapping[str, Any]) -> tuple[PartyConfig,
         _role_name(name, key)
         if not isinstance(table, Mapping):
             raise ConfigError(key, "must be a table with a `columns` list")
-        known = {"columns", "embedding_dp", "dp_sgd", "max_epsilon", "policy", "types"}
+        known = {
+            "columns",
+            "embedding_dp",
+            "dp_sgd",
+            "max_epsilon",
+            "policy",
+            "types",
+            "categorical",
+        }
         for k in table:
             if k not in known:
                 raise ConfigError(f"{key} {k}", f"unknown key; known keys are {sorted(known)}")
@@ -665,9 +701,40 @@ def _parties(raw: Any, policy_defaults: Mapping[str, Any]) -> tuple[PartyConfig,
                 max_epsilon=_positive_or_none(table.get("max_epsilon"), f"{key} max_epsilon"),
                 policy=_policy({**policy_defaults, **own}, name),
                 types=_types(table.get("types"), f"{key} types"),
+                categorical=_categorical(table.get("categorical"), f"{key} categorical"),
             )
         )
     return tuple(out)
+
+
+def _categorical(raw: Any, key: str) -> str | None:
+    if raw is None:
+        return None
+    if raw not in CATEGORICAL:
+        raise ConfigError(key, f"unknown value {raw!r}; choose one of {', '.join(CATEGORICAL)}")
+    return str(raw)
+
+
+def categorical_setting(cfg: RunConfig, role: str) -> tuple[str, str]:
+    """(the `categorical` setting that applies to `role`'s categorical columns, the key it was
+    written under): the role's own key, else `[data] categorical`."""
+    active = role == cfg.active_name
+    own = getattr(cfg if active else cfg.party(role), f"{'active_' if active else ''}categorical")
+    if own is not None:
+        key = "[active]" if active else f"[parties.{role}]"
+        return own, f"{key} categorical"
+    return cfg.categorical, "[data] categorical"
+
+
+def categorical_encoding(cfg: RunConfig, role: str) -> str:
+    """How `role` encodes its categorical columns: ``"onehot"`` or ``"embedding"`` (`auto`: the
+    method's default, the first of its `MethodSpec.encodings`)."""
+    setting, _ = categorical_setting(cfg, role)
+    if setting != "auto":
+        return setting
+    from securevfl.methods import method_spec  # declarations only, no torch
+
+    return method_spec(cfg.method).encodings[0]
 
 
 def _types(raw: Any, key: str) -> tuple[tuple[str, str], ...]:

@@ -31,7 +31,7 @@ from securevfl.methods import SumSpec, method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles.active_round import ActiveRound
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
-from securevfl.roles.rounds import AggregatorRound, PartyRound
+from securevfl.roles.rounds import AggregatorRound, PartyRound, calls_of, first_round
 from transport import Envelope
 
 
@@ -177,10 +177,12 @@ class DirectFederation(ActiveRound):
 
     def _exchange(self, env: Envelope) -> Envelope:
         call = self.aggregator.open(env)
-        dying = [p for p in call.to if p in self._drops and call.round >= self._drops[p]]
-        if self.record:
+        start = first_round(env)
+        dying = [p for p in call.to if p in self._drops and start >= self._drops[p]]
+        if self.record:  # each call of a fused envelope as its own
             alive = tuple(p for p in call.to if p not in dying)
-            self.calls.append((call.op, alive, call.sums, np.array(call.ids)))
+            for part in calls_of(env):
+                self.calls.append((part.op, alive, part.sums, np.array(part.ids)))
         replies = {p: self.party_rounds[p].answer(env) for p in call.to if p not in dying}
         if dying:  # as the aggregator does: the others ran the call, the dead one never answered
             for p in dying:
@@ -236,6 +238,7 @@ class DirectFederation(ActiveRound):
     # helpers
     def fit(self) -> None:
         self.method.fit(self, train_ids=self.train_ids)
+        self.flush()  # an update held back for a next call that never came
 
     def run(self) -> dict[str, Any]:
         self.fit()

@@ -55,9 +55,7 @@ def run_federation(
         out.mkdir(parents=True, exist_ok=True)
         if not config_path.exists():
             config_path.write_text("# built in code; see metrics.json\n")
-    keys = prepare_run_dir(
-        cfg, config_path, out, resume=resume, force=force, overrides=overrides
-    )
+    keys = prepare_run_dir(cfg, config_path, out, resume=resume, force=force, overrides=overrides)
     device = torch.device(cfg.device)
     context = zmq.Context()
     address = f"inproc://securevfl-{uuid.uuid4().hex}"

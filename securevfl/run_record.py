@@ -48,6 +48,7 @@ OPERATIONAL: tuple[str, ...] = (
     "transport",
     "device",
     "aggregator_in_active",
+    "fuse_rounds",  # the same results fused or not (tests/securevfl/test_fused_rounds.py)
     "*threads*",
     "*max_epsilon",
     "parties.*.max_epsilon",
@@ -158,7 +159,8 @@ def read_record(run_dir: Path) -> dict[str, Any] | None:
 
 def _write_json(path: Path, value: Mapping[str, Any]) -> None:
     """Atomically and durably (temporary file, fsync, rename, fsync of the directory)."""
-    tmp = path.with_name(path.name + ".partial")
+    # a name of this process's own: roles that share a run directory write the same record
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
     with open(tmp, "w") as fh:
         fh.write(json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
         fh.flush()

@@ -313,10 +313,9 @@ class CkksParty(PartySumStage):
 
     def _prepare(self, length: int) -> None:
         """Encrypt zeros for a next call of the same length (the next batch) on a worker thread
-        while this one is on the wire, so that call only encodes and adds. TenSEAL holds the
-        GIL, so this overlaps with waiting for the network, not with computing. Each prepared
-        zero is used once; zeros left over from lengths that did not recur (a last, smaller
-        batch) are kept to a few calls' worth, beyond which encryption is done afresh."""
+        while this one is on the wire, so that call only encodes and adds. SEAL holds the GIL,
+        so this overlaps with waiting for the network, not with computing. Each prepared zero
+        is used once, by any chunk; at most a few calls' worth are kept ready."""
         from concurrent.futures import ThreadPoolExecutor
 
         if self.public.ready_zeros > 4 * (-(-length // self.public.slots)):

@@ -10,6 +10,12 @@ the same functions, so they encode to the same matrix bit for bit.
 
 Nothing here leaves the party: categories, their counts and scaling statistics stay in the
 party's process; methods see the encoded numeric columns only.
+
+A categorical column is encoded one of two ways (`ENCODINGS`, chosen per role and method:
+`securevfl.config.categorical_encoding`): ``onehot``, one 0/1 column per training category
+plus ``other``; or ``embedding``, one column of integer codes (`CODE_MISSING` for an NA cell,
+1..n for the n training categories in sorted order, n + 1 for ``other``) that the party's model
+embeds (`securevfl.methods.blocks.embedding`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ __all__ = ["ROW_NUMBER_ID"]  # re-exported: the historical home of the constant
 KINDS = ("numeric", "boolean", "categorical")
 NA_TOKENS = ("", "NA", "N/A", "NaN", "nan", "null", "NULL", "?")
 OTHER = "other"  # the bucket of categories unseen in training
+ENCODINGS = ("onehot", "embedding")  # how a categorical column reaches the party's model
+CODE_MISSING = 0  # embedding codes: an NA cell (stored as NaN, read as 0 once scaled)
+CODE_SUFFIX = "#code"  # an embedding code column is named "<column>#code"
 _TRUE = ("true", "yes", "y", "t", "1")
 _FALSE = ("false", "no", "n", "f", "0")
 _BOOL_WORDS = frozenset(_TRUE + _FALSE)
@@ -360,10 +369,18 @@ class CompactConverter:
 class ColumnEncoder:
     """A party's encoding of its columns, fitted on its training rows: numeric as is, boolean
     as 0/1, categorical one-hot over the training categories plus ``other`` for values unseen in
-    training. An NA cell is NaN in every output column of its input column (a missing cell)."""
+    training (``categorical = "onehot"``), or as one column of codes (``"embedding"``: 1..n for
+    the n training categories in sorted order, n + 1 for ``other``). An NA cell is NaN in every
+    output column of its input column (a missing cell; an embedding reads it as
+    `CODE_MISSING`)."""
 
-    def __init__(self, kinds: Mapping[str, str]) -> None:
+    def __init__(self, kinds: Mapping[str, str], *, categorical: str = "onehot") -> None:
+        if categorical not in ENCODINGS:
+            raise ValueError(
+                f"categorical encoding must be one of {ENCODINGS}, got {categorical!r}"
+            )
         self.kinds = dict(kinds)
+        self.categorical = categorical
         self.categories: dict[str, list[str]] = {}
         self._lookups: dict[str, tuple[int, np.ndarray]] = {}
 
@@ -375,11 +392,25 @@ class ColumnEncoder:
     def out_columns(self) -> tuple[str, ...]:
         out: list[str] = []
         for c, k in self.kinds.items():
-            if k == "categorical":
-                out += [f"{c}={v}" for v in self.categories[c]] + [f"{c}={OTHER}"]
-            else:
+            if k != "categorical":
                 out.append(c)
+            elif self.categorical == "embedding":
+                out.append(f"{c}{CODE_SUFFIX}")
+            else:
+                out += [f"{c}={v}" for v in self.categories[c]] + [f"{c}={OTHER}"]
         return tuple(out)
+
+    def code_columns(self) -> tuple[tuple[int, str, int], ...]:
+        """With ``categorical = "embedding"``: (position among `out_columns`, column, number of
+        codes) of each code column; the codes are 0 (`CODE_MISSING`) .. number - 1. Empty for
+        one-hot."""
+        if self.categorical != "embedding":
+            return ()
+        found = []
+        for j, (c, k) in enumerate(self.kinds.items()):
+            if k == "categorical":
+                found.append((j, c, len(self.categories[c]) + 2))  # + missing + other
+        return tuple(found)
 
     def fit(self, cells: Mapping[str, np.ndarray]) -> ColumnEncoder:
         """Fit on text cells (object arrays of str | None)."""
@@ -419,11 +450,17 @@ class ColumnEncoder:
                 blocks.append(numbers[:, i_num : i_num + 1])
                 i_num += 1
                 continue
-            width = len(self.categories[c]) + 1
             code = codes[:, i_cat]
             i_cat += 1
-            onehot = np.zeros((n, width))
             held = code >= 0
+            if self.categorical == "embedding":
+                coded = np.full((n, 1), np.nan)
+                # training category j -> j + 1, `other` -> n_categories + 1 (0: a missing cell)
+                coded[held, 0] = self._lookup(c, levels[c])[code[held]] + 1.0
+                blocks.append(coded)
+                continue
+            width = len(self.categories[c]) + 1
+            onehot = np.zeros((n, width))
             onehot[np.flatnonzero(held), self._lookup(c, levels[c])[code[held]]] = 1.0
             onehot[~held] = np.nan
             blocks.append(onehot)
@@ -441,14 +478,18 @@ class ColumnEncoder:
         return lookup
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "kinds": dict(self.kinds),
             "categories": {c: list(v) for c, v in self.categories.items()},
         }
+        if self.categorical != "onehot":  # a one-hot state reads as it did before embeddings
+            state["categorical"] = self.categorical
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.kinds = dict(state["kinds"])
         self.categories = {c: list(v) for c, v in state["categories"].items()}
+        self.categorical = str(state.get("categorical", "onehot"))
         self._lookups.clear()
 
 

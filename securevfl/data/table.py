@@ -7,11 +7,11 @@ process nothing but its own data.
 Files are read chunk by chunk (`securevfl.data.chunks`), so a multi-gigabyte table never has to
 fit in memory. A role's table is held in memory when its file is small, and otherwise streamed
 ([data] stream = "auto", the default: files over `STREAM_ABOVE_BYTES`; true; false): its rows
-then go, in compact form, to a cache of the role's own on disk and each batch is read and
-encoded from there, so memory holds the chunk being read, the batch, and an index of 12 bytes
-per row (the sorted int64 ids and an int32 position; the active party adds its float64
-labels), plus, while the file loads, a few arrays of 8 bytes per row (the ids as read, their
-sort order). Peak memory measured on 0.25, 2 and 5 GB files: bench/stream_rss.py. Both ways
+then go, in compact form, to a cache of the role's own on disk, with an index of the sorted
+ids (each one's row, and the active party's labels) built there by an external sort, and each
+batch is read and encoded from there, so memory holds the chunk being read, the batch, a run of
+the sort while loading, and no array with one entry per row (`securevfl.data.rowstore`). Peak
+memory measured on 0.5, 2 and 5 GB files: bench/stream_rss.py. Both ways
 give the same encoded matrix, bit for bit. The split streams too: two passes
 over the table, with about 30 bytes per row (ids, labels, which role gets which row) in memory.
 """
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from securevfl.config import ConfigError, RunConfig
+from securevfl.config import ConfigError, RunConfig, categorical_encoding
 from securevfl.data.chunks import CHUNK_BYTES, TableReader, TextChunk
 from securevfl.data.columns import (
     NA_TOKENS,
@@ -76,7 +76,8 @@ class PartyTable:
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int64)
-        if len(self.ids) > 1 and not (self.ids[1:] > self.ids[:-1]).all():
+        # a streamed table's ids are its row cache's index: sorted and unique when built
+        if not self.streamed and len(self.ids) > 1 and not (self.ids[1:] > self.ids[:-1]).all():
             raise ValueError("PartyTable ids must be sorted and unique")
         self._encoded = self.encoder is None
         if self.encoder is None and self.matrix is None and not self.streamed:
@@ -111,10 +112,12 @@ class PartyTable:
         if self._encoded:
             return
         train = np.asarray(train_ids, dtype=np.int64)
-        positions = self.positions(train[self.has(train)])
-        self.encoder.fit_codes(
-            self.levels, (codes for _, _, codes in self.rowstore.scan(positions))
-        )
+        if self.streamed:  # the held training rows, block by block: no array of the rows
+            blocks = (codes for _, codes in self.rowstore.scan_ids(train, missing="skip"))
+        else:
+            positions = self.positions(train[self.has(train)])
+            blocks = (codes for _, _, codes in self.rowstore.scan(positions))
+        self.encoder.fit_codes(self.levels, blocks)
         self._encoded_now()
 
     def use_encoding(self, state: dict | None) -> None:
@@ -149,9 +152,13 @@ class PartyTable:
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Row positions of `ids`; raises DataError naming ids this table does not hold."""
         ids = np.asarray(ids, dtype=np.int64)
-        pos = np.searchsorted(self.ids, ids)
-        pos = np.minimum(pos, max(len(self.ids) - 1, 0))
-        ok = (len(self.ids) > 0) & (self.ids[pos] == ids)
+        if self.streamed:  # through the row cache's id index, on disk
+            pos = self.rowstore.locate(ids)
+            ok = pos >= 0
+        else:
+            pos = np.searchsorted(self.ids, ids)
+            pos = np.minimum(pos, max(len(self.ids) - 1, 0))
+            ok = (len(self.ids) > 0) & (self.ids[pos] == ids)
         if not np.all(ok):
             missing = ids[~ok][:5].tolist()
             raise DataError(
@@ -162,6 +169,8 @@ class PartyTable:
     def has(self, ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of `ids` this table holds."""
         ids = np.asarray(ids, dtype=np.int64)
+        if self.streamed:
+            return self.rowstore.locate(ids) >= 0
         if len(self.ids) == 0:
             return np.zeros(len(ids), dtype=bool)
         pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
@@ -184,7 +193,7 @@ class PartyTable:
         if self.matrix is not None:
             yield self.rows(ids)
             return
-        for _, numbers, codes in self.rowstore.scan(self.positions(ids)):
+        for numbers, codes in self.rowstore.scan_ids(ids):
             if self.encoder is None:
                 yield numbers
             else:
@@ -266,6 +275,8 @@ class ActiveTable(PartyTable):
     labels: np.ndarray | None = None  # float64 [n_rows], in id order
 
     def label_rows(self, ids: np.ndarray) -> np.ndarray:
+        if self.streamed:  # the labels are in the row cache's id index, on disk
+            return self.rowstore.label_rows(self.positions(ids))
         return self.labels[self.positions(ids)]
 
     def labeled(self, ids: np.ndarray) -> np.ndarray:
@@ -379,43 +390,61 @@ def _load(
             prefix=f"rows-{role}",
             n_numbers=len(converter.numeric),
             n_codes=len(converter.categorical),
+            labels=role == cfg.active_name,
         )
         if streamed
         else None
     )
     try:
         for chunk in chunks():
-            ids_parts.append(chunk_ids(chunk, where=file_where))
+            chunk_id = chunk_ids(chunk, where=file_where)
             numbers, codes = converter.convert(
                 chunk.cells, chunk.n_rows, where=where, first_row=chunk.first_row
             )
             held = _held_mask(chunk, columns) if drop_unheld else np.ones(chunk.n_rows, bool)
-            held_parts.append(held)
             text = chunk_id_text(chunk).filter(pa.array(held))
+            part = None
             if label is not None:
                 cells = chunk.cells[label]
                 if regression:
                     part = numbers_of(cells, column=label, where=where, first_row=chunk.first_row)
                 else:
                     part = label_levels.convert({label: cells}, chunk.n_rows, where=where)[1][:, 0]
-                label_parts.append(part[held])
-            if writer is not None:
-                writer.append(numbers[held], codes[held], None if reader.by_line else text)
+                part = part[held]
+            if writer is not None:  # every per-row array goes to disk, the ids included
+                writer.append(
+                    numbers[held],
+                    codes[held],
+                    None if reader.by_line else text,
+                    ids=chunk_id,
+                    held=held,
+                    labels=part,
+                )
             else:
+                ids_parts.append(chunk_id)
+                held_parts.append(held)
+                if part is not None:
+                    label_parts.append(part)
                 numbers_parts.append(numbers[held])
                 codes_parts.append(codes[held])
                 text_parts.append(text)
-        all_ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
-        del ids_parts
-        check_unique(all_ids, where=file_where, texts_at=lambda rows: _texts_at(reader, rows))
-        held_all = np.concatenate(held_parts) if held_parts else np.empty(0, bool)
-        ids = all_ids[held_all]
-        del all_ids, held_all
-        order = np.argsort(ids, kind="stable")
-        ids = ids[order]
-        if writer is not None:
-            store: MemoryRows | DiskRows = writer.finish(order, texts=not reader.by_line)
+        if writer is not None:  # the ids are sorted and checked on disk (`rowstore`)
+            store: MemoryRows | DiskRows = writer.finish(
+                texts=not reader.by_line,
+                where=file_where,
+                texts_at=lambda rows: _texts_at(reader, rows),
+                label_map=_label_map(cfg, label, label_levels, where),
+            )
+            ids, order = store.ids, None
         else:
+            all_ids = np.concatenate(ids_parts) if ids_parts else np.empty(0, np.int64)
+            del ids_parts
+            check_unique(all_ids, where=file_where, texts_at=lambda rows: _texts_at(reader, rows))
+            held_all = np.concatenate(held_parts) if held_parts else np.empty(0, bool)
+            ids = all_ids[held_all]
+            del all_ids, held_all
+            order = np.argsort(ids, kind="stable")
+            ids = ids[order]
             store = MemoryRows(
                 _stack(numbers_parts, len(converter.numeric), np.float64)[order],
                 _stack(codes_parts, len(converter.categorical), np.int32)[order],
@@ -425,14 +454,18 @@ def _load(
         if writer is not None:
             writer.abandon()
         raise
-    labels = None
-    if label is not None:
+    labels, first_empty = None, None  # first_empty: the first file row with an empty label
+    if isinstance(store, DiskRows):
+        labels, first_empty = store.labels, store.first_empty_label
+    elif label is not None:
         joined = np.concatenate(label_parts) if label_parts else np.empty(0)
         if not regression:
             joined = LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
                 label_levels.levels[label], joined.astype(np.int32), column=label, where=where
             )
         labels = joined
+        empty = np.isnan(labels)
+        first_empty = int(np.argmax(empty)) if empty.any() else None
     return {
         "ids": ids,
         "order": order,
@@ -440,8 +473,23 @@ def _load(
         "kinds": kinds,
         "levels": converter.levels,
         "labels": labels,
+        "first_empty_label": first_empty,
         "where": where,
     }
+
+
+def _label_map(
+    cfg: RunConfig, label: str | None, levels: CompactConverter | None, where: str
+) -> Callable[[np.ndarray], np.ndarray] | None:
+    """Raw labels (codes into the label's values, -1 empty) to the stored ones, for the
+    row cache (regression or no label: None, the numbers as read)."""
+    if label is None or cfg.task == "regression":
+        return None
+    values = levels.levels[label]
+    lookup = LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
+        values, np.arange(-1, len(values), dtype=np.int32), column=label, where=where
+    )  # lookup[code + 1]
+    return lambda raw: lookup[raw.astype(np.int64) + 1]
 
 
 def _stack(parts: list[np.ndarray], width: int, dtype: type) -> np.ndarray:
@@ -454,14 +502,22 @@ def _object_text(parts: list[pa.Array]) -> np.ndarray:
     return np.asarray(pa.concat_arrays(parts).to_numpy(zero_copy_only=False), dtype=object)
 
 
-def _make(cls: type, loaded: dict[str, Any], columns: Sequence[str], **extra: Any) -> PartyTable:
+def _make(
+    cls: type,
+    loaded: dict[str, Any],
+    columns: Sequence[str],
+    *,
+    categorical: str = "onehot",
+    **extra: Any,
+) -> PartyTable:
     kinds = loaded["kinds"]
     text = any(k != "numeric" for k in kinds.values())
     return cls(
         ids=loaded["ids"],
         columns=tuple(columns),
         rowstore=loaded["store"],
-        encoder=ColumnEncoder(kinds) if text else None,
+        # a saved encoding (scoring) brings its own `categorical` (`use_encoding`)
+        encoder=ColumnEncoder(kinds, categorical=categorical) if text else None,
         levels=loaded["levels"],
         where=loaded["where"],
         **extra,
@@ -500,7 +556,7 @@ def load_party_table(
         cache_dir=cache_dir,
         chunk_bytes=chunk_bytes,
     )
-    return _make(PartyTable, loaded, party.columns)
+    return _make(PartyTable, loaded, party.columns, categorical=categorical_encoding(cfg, role))
 
 
 def load_active_table(
@@ -536,13 +592,19 @@ def load_active_table(
     labels = loaded["labels"]
     if labels is None:
         labels = np.full(len(loaded["ids"]), np.nan)
-    elif np.isnan(labels).any() and cfg.labeled is None and not scoring:
-        line = int(np.argmax(np.isnan(labels))) + 2
+    elif loaded["first_empty_label"] is not None and cfg.labeled is None and not scoring:
+        line = loaded["first_empty_label"] + 2
         raise DataError(
             f"{path}:{line}: the label {cfg.label!r} is empty (set [missing] labeled if some "
             "training rows are unlabeled on purpose)"
         )
-    return _make(ActiveTable, loaded, cfg.active_columns, labels=labels[loaded["order"]])
+    return _make(
+        ActiveTable,
+        loaded,
+        cfg.active_columns,
+        categorical=categorical_encoding(cfg, cfg.active_name),
+        labels=labels if loaded["order"] is None else labels[loaded["order"]],
+    )
 
 
 def read_csv_columns(

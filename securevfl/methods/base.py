@@ -145,6 +145,23 @@ class PartyMethod(ABC):
 
         Raises `UnknownOperation` for an op this method does not implement."""
 
+    def check_call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any],
+        inputs: Mapping[str, np.ndarray],
+        groups: Sequence[tuple[str, ...]],
+    ) -> str | None:
+        """The method's own rule on a call the guard accepted (`groups`: the groups of the sums
+        this party contributes to), checked before anything is computed: a reason to refuse
+        (the party refuses as for any policy rule, rule "method"), or None. E.g. a method whose
+        parties contribute 0 on rows they lack checks that each row keeps `min_group` real
+        contributors."""
+        del op, ids, args, inputs, groups
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -286,7 +303,11 @@ class MethodSpec:
     ("parties": the party models, "active": the active party's trainable part);
     `secure_defaults` gives ``[secure]`` defaults (e.g. more fractional bits);
     `tolerates_dropout`: the method goes on without a party that died; `example` builds a small
-    federation for the conformance suite every method is held to."""
+    federation for the conformance suite every method is held to. `encodings` are the ways its
+    party models take categorical columns (``"onehot"``, ``"embedding"``: codes embedded by
+    `securevfl.methods.blocks.embedding`), the first being its default (``categorical =
+    "auto"``); a method whose model needs one input column per category declares one-hot only,
+    and asking it for embeddings fails at config load."""
 
     name: str
     active: str | type
@@ -306,6 +327,12 @@ class MethodSpec:
     # trains on rows that no passive party holds (the label and the active party's own columns
     # only): a method that models missing blocks (VFEM) uses them, the others drop them
     uses_unheld_rows: bool = False
+    # how its party (and active) models take categorical columns; the first is the default
+    encodings: tuple[str, ...] = ("onehot",)
+    # (update op, next op) pairs that may share one envelope ([network] fuse_rounds): the
+    # update of batch t (answered by an acknowledgement only) rides ahead of the next op of
+    # batch t+1 to the same parties, which run them in order, so results are unchanged
+    fuse: tuple[tuple[str, str], ...] = ()
     # a small federation to run the method on (`securevfl.methods.examples`): writes its data
     # into a folder and returns the raw config; the shared conformance suite runs it
     example: Callable[[Path], dict[str, Any]] | None = None
@@ -349,9 +376,37 @@ class MethodSpec:
                 f"method {self.name!r} does not support DP-SGD at the active party; remove the "
                 "key ([privacy] label_dp protects the labels in what the parties receive)",
             )
+        self._check_encodings(cfg)
         options = cfg.options if cfg.options is not None else self.parse_options({})
         for check in self.checks:
             check(cfg, options)
+
+    def _check_encodings(self, cfg: RunConfig) -> None:
+        """Refuses a role's `categorical` setting this method does not take, naming the role's
+        declared categorical columns (the others are known once its data is read)."""
+        from securevfl.config import categorical_setting
+        from securevfl.errors import ConfigError
+
+        roles = [(cfg.active_name, cfg.active_columns, cfg.active_types)] + [
+            (p.name, p.columns, p.types) for p in cfg.parties
+        ]
+        for role, columns, types in roles:
+            setting, key = categorical_setting(cfg, role)
+            if not columns or setting == "auto" or setting in self.encodings:
+                continue
+            declared = [c for c, kind in types if kind == "categorical"]
+            which = (
+                f"column{'s' if len(declared) > 1 else ''} {', '.join(map(repr, declared))}"
+                if declared
+                else f"the categorical columns among {', '.join(map(repr, columns))}"
+            )
+            raise ConfigError(
+                key,
+                f"method {self.name!r} takes categorical columns as "
+                f"{' or '.join(self.encodings)} only (its model needs one input column per "
+                f"category), so {role!r} cannot encode {which} as {setting!r}; remove the key "
+                f'or set categorical = "{self.encodings[0]}"',
+            )
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

@@ -112,6 +112,7 @@ SPEC = MethodSpec(
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),
+    encodings=("onehot", "embedding"),
     description="an independent model for every subset of parties",
     checks=(check_block_options,),
     example=partial(examples.classification, method="combinatorial", p_missing=0.2),

@@ -299,6 +299,7 @@ SPEC = MethodSpec(
     options=LaserOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),
+    encodings=("onehot", "embedding"),
     tolerates_dropout=True,
     description="LASER-VFL: a head per party over the mean of any subset of present parties",
     checks=(check_laser,),

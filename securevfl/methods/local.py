@@ -115,6 +115,7 @@ SPECS = [
         options=BlockOptions,
         tasks=CLASSIFICATION,
         dp_sgd=("parties",),
+        encodings=("onehot", "embedding"),
         description=description,
         checks=(check_single_party_sums,),
         example=partial(examples.classification, method=name, p_missing=0.2),

@@ -40,7 +40,7 @@ class PlugVFLParty(BlockParty):
     def build_model(self, model: str) -> Any:
         cfg = self.config
         seed = derived_seed(cfg.seed, self.method_name, model, self.name)
-        return _plug_model(len(self.table.columns), cfg, seed)
+        return _plug_model(self.input_width(), cfg, seed)
 
 
 def _plug_model(in_dim: int, cfg: Any, seed: int) -> Any:
@@ -69,7 +69,7 @@ class PlugVFLActive(JointHeadActive):
     def build_own_model(self, model: str) -> Any:
         cfg = self.config
         return _plug_model(
-            len(self.table.columns),
+            self.input_width(),
             cfg,
             derived_seed(cfg.seed, self.method_name, model, cfg.active_name),
         )
@@ -138,6 +138,7 @@ SPEC = MethodSpec(
     options=PlugOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),
+    encodings=("onehot", "embedding"),
     description="concatenation (zeros for missing blocks), anchor party required",
     checks=(check_plug,),
     example=partial(examples.classification, method="plugvfl", p_missing=0.2),

@@ -54,15 +54,23 @@ class SplitNNParty(PartyMethod):
     """A passive party's encoder f_k."""
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
+        from securevfl.methods.blocks.embedding import input_width, keep_codes, with_embeddings
         from securevfl.privacy.runtime import private_training
 
         train_ids = inputs["train_ids"]
         self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
-        self.encoder = mlp(
-            len(self.table.columns),
-            self.config.hidden,
-            self.config.width,
-            seed=derived_seed(self.config.seed, "encoder", self.name),
+        keep_codes(self.scaler, self.table)  # categorical codes ([categorical] embedding) as is
+        seed = derived_seed(self.config.seed, "encoder", self.name)
+        self.encoder = with_embeddings(
+            self.table,
+            self.config,
+            mlp(
+                input_width(self.table, self.config),
+                self.config.hidden,
+                self.config.width,
+                seed=seed,
+            ),
+            seed=seed,
         ).to(self.device)
         self.optimizer = make_optimizer(self.encoder.parameters(), self.config)
         # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it; the active party
@@ -134,11 +142,14 @@ class SplitNNActive(ActiveMethod):
         ).to(self.device)
         self.own = None
         if self.table.columns:
-            self.own = mlp(
-                len(self.table.columns),
-                cfg.hidden,
-                cfg.width,
-                seed=derived_seed(cfg.seed, "encoder", cfg.active_name),
+            from securevfl.methods.blocks.embedding import input_width, with_embeddings
+
+            seed = derived_seed(cfg.seed, "encoder", cfg.active_name)
+            self.own = with_embeddings(
+                self.table,
+                cfg,
+                mlp(input_width(self.table, cfg), cfg.hidden, cfg.width, seed=seed),
+                seed=seed,
             ).to(self.device)
         from securevfl.methods.blocks.modules import Fusion
 
@@ -169,7 +180,9 @@ class SplitNNActive(ActiveMethod):
                 '"laser" (any subset of parties)'
             )
         if ctx.start_epoch == 0:
-            self.scaler.fit(self.table.rows(train_ids))
+            from securevfl.methods.blocks.embedding import keep_codes
+
+            keep_codes(self.scaler.fit(self.table.rows(train_ids)), self.table)
         from securevfl.privacy.runtime import private_training
 
         # DP-SGD on head (+ own encoder) when [active] dp_sgd is set; the loss is a batch mean
@@ -238,6 +251,9 @@ SPEC = MethodSpec(
     party=SplitNNParty,
     operations=OPERATIONS,
     dp_sgd=("parties", "active"),
+    encodings=("onehot", "embedding"),
+    # a batch's backward rides ahead of the next batch's forward (one round trip per batch)
+    fuse=(("backward", "forward"),),
     description="split-NN baseline: summed party representations, head at the active party",
     example=partial(examples.classification, method="splitnn"),
 )

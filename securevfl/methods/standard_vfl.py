@@ -47,6 +47,7 @@ SPEC = MethodSpec(
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),
+    encodings=("onehot", "embedding"),
     description="split-NN on complete rows only; random class if a block is missing",
     checks=(check_block_options,),
     example=partial(examples.classification, method="standard-vfl", p_missing=0.2),

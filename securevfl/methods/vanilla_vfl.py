@@ -132,6 +132,7 @@ SPEC = MethodSpec(
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),
+    encodings=("onehot", "embedding"),
     description="split-NN on fully aligned labeled rows; missing test blocks zero-filled",
     checks=(check_vanilla,),
     example=partial(examples.classification, method="vanilla-vfl", p_missing=0.2),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import save_checkpoint
 from securevfl.roles.guard import call_tags
-from securevfl.roles.rounds import Call, Exchange, sum_arrays
+from securevfl.roles.rounds import Call, Exchange, fuse, readmits_late, sum_arrays
 from securevfl.secure_sum import (
     SumSession,
     backend,
@@ -29,6 +30,20 @@ from securevfl.secure_sum import (
     group_allowed,
 )
 from transport import Envelope
+
+
+class PartyLate(PartyDropped):
+    """Raised by `ActiveRound.call` when `parties` missed the round's deadline but stay in the
+    run (the method declares `readmits_late`): the round's results are discarded, the parties
+    are still in `ctx.parties` and are called again in the next round. The call reached every
+    recipient (`delivered`): an update such as a backward pass must not be sent again."""
+
+    def __init__(self, parties: Sequence[str]) -> None:
+        super().__init__(parties[0], delivered=True)
+        self.parties = tuple(parties)
+        self.args = (
+            f"parties {list(self.parties)} missed the round deadline; they stay in the run",
+        )
 
 
 class ActiveRound:
@@ -118,6 +133,11 @@ class ActiveRound:
             else {}
         )
         self.auth_seconds = 0.0  # time spent tagging calls (reported in metrics.json)
+        self.exchanges = 0  # envelopes sent (a fused envelope counts once)
+        # an update call held back to ride ahead of the next call to the same parties
+        # ([network] fuse_rounds, the pairs the method declares in `MethodSpec.fuse`)
+        self._held: Call | None = None
+        self._fuse = frozenset(method_spec(cfg.method).fuse) if cfg.fuse_rounds else frozenset()
         self.lost: list[str] = []
         self.epoch_seconds: list[float] = []
         self.history: list[dict[str, float]] = []
@@ -153,6 +173,14 @@ class ActiveRound:
             check_group(self.config, spec.group, key=spec.key, what=f"method op {op!r}")
         if to is None:
             to = sorted({p for s in sums for p in s.group}) or list(self._parties)
+        held, self._held = self._held, None
+        if held is not None and ((held.op, op) not in self._fuse or set(held.to) != set(to)):
+            self._deliver(held)  # anything else goes after it, alone, so nothing changes order
+            held = None
+        calls = []
+        if held is not None:  # it takes the round it would have had alone: the next one
+            self.round += 1
+            calls.append(replace(held, round=self.round, session=self.session_hex))
         self.round += 1
         call = Call(
             op=op,
@@ -165,7 +193,8 @@ class ActiveRound:
             to=tuple(to),
             collect=tuple(collect),
         )
-        env = call.envelope(sender=self.config.active_name)
+        calls.append(call)
+        env = fuse(calls, sender=self.config.active_name)
         started = time.perf_counter()
         env.meta["auth"] = call_tags(
             env.meta,
@@ -175,16 +204,36 @@ class ActiveRound:
             keys={p: self._auth_keys[p] for p in call.to if p in self._auth_keys},
         )
         self.auth_seconds += time.perf_counter() - started
+        self.exchanges += 1
         result = self.exchange(env)
+        what = " + ".join(f"{c.op} (round {c.round})" for c in calls)
         if result.meta.get("refused"):
             refused = result.meta["refused"]
             raise RunAborted(
-                f"round {call.round} ({op}) was refused by a party's release policy: {refused}; "
-                "nothing was released (see that party's log and the ledger)",
+                f"{what} was refused by a party's release policy: {refused}; nothing was "
+                "released (see that party's log and the ledger)",
                 refused=True,
             )
         if result.meta.get("lost"):
-            self._lose(result, op)
+            try:
+                self._lose(result, op)
+            finally:
+                if held is not None and not result.meta.get("delivered", False):
+                    # nobody ran the update: it still goes, to the survivors, before the next call
+                    alive = tuple(p for p in held.to if p in self._parties)
+                    self._held = replace(held, to=alive) if alive else None
+        if result.meta.get("late"):  # the call reached everyone (a held update rode along)
+            if not readmits_late(self.config):  # an honest aggregator never says so
+                raise RunAborted(
+                    f"the aggregator reported parties {result.meta['late']} late in {what}, "
+                    f"but method {self.config.method!r} does not readmit late parties; "
+                    "stopping (check the aggregator)"
+                )
+            late = [p for p in map(str, result.meta["late"]) if p in self._parties]
+            self.logger.warning(
+                "party %s missed the deadline of %s; it stays in the run", late, what
+            )
+            raise PartyLate(late or [str(p) for p in result.meta["late"]])
         shapes = result.meta.get("shapes", {})
         out = {}
         for spec in sums:
@@ -198,6 +247,25 @@ class ActiveRound:
             for party in to:
                 out[f"{name}@{party}"] = result.tensors[f"{name}@{party}"]
         return out
+
+    def flush(self) -> None:
+        """Send the update call held back to ride with the next call, if any, on its own."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._deliver(held)
+
+    def _deliver(self, held: Call) -> None:
+        """An update call on its own; a party lost meanwhile is skipped, and an update that
+        reached the others is never sent twice."""
+        alive = [p for p in held.to if p in self._parties]
+        while alive:
+            try:
+                self.call(held.op, ids=held.ids, args=held.args, inputs=held.inputs, to=alive)
+                break
+            except PartyDropped as exc:
+                if exc.delivered:  # the survivors have applied it: never twice
+                    break
+                alive = [p for p in alive if p in self._parties]
 
     def _lose(self, result: Envelope, op: str) -> None:
         named = [str(p) for p in result.meta["lost"]]
@@ -273,26 +341,29 @@ class ActiveRound:
                 t: np.asarray(released[f"{names[group]}/{t}"], dtype=np.float32) / n
                 for t in tensors
             }
-            alive = [p for p in group if p in self._parties]
-            while alive:
-                try:
-                    self.call(op, ids=ids, inputs=inputs, to=alive)
-                    break
-                except PartyDropped as exc:
-                    if exc.delivered:  # the survivors have applied it: never twice
-                        break
-                    alive = [p for p in alive if p in self._parties]
+            alive = tuple(p for p in group if p in self._parties)
+            update = Call(
+                op=op, round=0, session=self.session_hex, ids=ids, inputs=inputs, to=alive
+            )
+            if alive and any(u == op for u, _ in self._fuse):
+                self.flush()  # at most one held: an earlier group's goes first, alone
+                self._held = update  # rides ahead of the next call to `alive` (or goes alone)
+            else:
+                self._deliver(update)
 
     def epoch_done(self, epoch: int, *, stats: Mapping[str, float]) -> None:
         """Commit an epoch: every party saves its checkpoint, then the active party."""
         self.epoch_seconds.append(time.perf_counter() - self._epoch_started)
         self.history.append({"epoch": epoch, **{k: float(v) for k, v in stats.items()}})
-        self.call(
-            P.OP_CHECKPOINT,
-            ids=np.empty(0, dtype=np.int64),
-            args={"epoch": epoch},
-            to=self._parties,
-        )
+        try:
+            self.call(
+                P.OP_CHECKPOINT,
+                ids=np.empty(0, dtype=np.int64),
+                args={"epoch": epoch},
+                to=self._parties,
+            )
+        except PartyLate:
+            pass  # the call reached every party: a late one commits the epoch when it gets to it
         save_checkpoint(
             self.run_dir,
             self.config.active_name,
@@ -412,6 +483,7 @@ def train_and_evaluate(
         train_ids = train_ids[table.labeled(train_ids)]
     ctx._epoch_started = time.perf_counter()
     ctx.method.fit(ctx, train_ids=train_ids)
+    ctx.flush()  # an update held back to ride with a next call that never came
     test = ctx.method.evaluate(ctx, ids=test_ids) if len(test_ids) else {}
     return train_ids, test_ids, test
 

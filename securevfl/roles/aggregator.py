@@ -13,10 +13,14 @@ from typing import Any
 from securevfl.config import RunConfig
 from securevfl.keys import AGGREGATOR, load_public, load_secrets
 from securevfl.roles import protocol as P
-from securevfl.roles.rounds import AggregatorRound, tolerates_dropout
+from securevfl.roles.rounds import AggregatorRound, readmits_late, tolerates_dropout
 from securevfl.secure_sum import ContributionError
 from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout, TransportError
 from transport.errors import one_line, quote
+
+# a party that keeps its heartbeat but misses this many round deadlines in a row is dropped for
+# the rest of the run even by a method that readmits late parties (it is hung, not slow)
+LATE_ROUNDS_TO_DROP = 3
 
 
 class Aggregator:
@@ -33,6 +37,10 @@ class Aggregator:
         self.rejected = 0
         # methods such as LASER-VFL go on without a lost party; the others stop, resumable
         self.tolerates_dropout = tolerates_dropout(cfg)
+        # methods such as TabVFL (its failure cache) also keep a party that missed a round's
+        # deadline: it misses that round only; consecutive misses per party
+        self.readmits_late = self.tolerates_dropout and readmits_late(cfg)
+        self.missed: dict[str, int] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -203,10 +211,16 @@ class Aggregator:
                 )
             except P.RunAborted as exc:
                 if exc.lost is None and not exc.refused and self.tolerates_dropout:
+                    # set-up is not a round a party can miss: it would hold nothing to run
+                    readmit = self.readmits_late and call.op != P.OP_SETUP
+                    hung = self._missed(waiting, env) if readmit else waiting
+                    late = sorted(set(waiting) - set(hung))
                     # silent past the round deadline while its heartbeat goes on: lost to this
-                    # run like a party whose heartbeat stopped (told so, then dropped)
-                    late = self._drop_late(waiting, env, exc)
-                    self._send(self.active, self.rounds.lost(call, late, delivered=True))
+                    # run like a party whose heartbeat stopped (told so, then dropped), unless
+                    # the method readmits it: then it misses this round only (still a member,
+                    # called again next round; its reply to this round is dropped by round id)
+                    lost = self._drop_late(hung, env, exc) if hung else []
+                    self._send(self.active, self.rounds.lost(call, lost, delivered=True, late=late))
                     return
                 if not self._drop(exc):
                     raise
@@ -242,7 +256,29 @@ class Aggregator:
             for key, value in mine.items():
                 accepted[key][reply.sender] = value
             replies[reply.sender] = reply
+            self.missed.pop(reply.sender, None)  # in time again
         self._send(self.active, self.rounds.result(call, replies, accepted))
+
+    def _missed(self, late: list[str], env: Envelope) -> list[str]:
+        """Count a missed deadline for each of `late`; returns those that missed
+        LATE_ROUNDS_TO_DROP in a row (to drop), the others stay in the run."""
+        hung = []
+        for party in late:
+            self.missed[party] = self.missed.get(party, 0) + 1
+            if self.missed[party] >= LATE_ROUNDS_TO_DROP:
+                hung.append(party)
+                continue
+            self.logger.warning(
+                "%r did not answer round %d within [network] round_timeout (%g s): it misses "
+                "this round and is called again in the next (%d of %d late rounds in a row "
+                "before it is dropped)",
+                party,
+                env.round,
+                self.cfg.round_timeout,
+                self.missed[party],
+                LATE_ROUNDS_TO_DROP,
+            )
+        return hung
 
     def _drop_late(self, late: list[str], env: Envelope, timeout: P.RunAborted) -> list[str]:
         """Drop the parties that missed round `env.round`'s deadline, each told by an ABORT

@@ -266,6 +266,21 @@ class CallGuard:
                 if reason is not None:
                     raise self.refuse("differencing", reason)
 
+    def check_fused(self, calls: Sequence[Any]) -> None:
+        """A fused envelope (several calls run in order) may carry only consecutive calls the
+        method declares may share one (`MethodSpec.fuse`), never a role operation; each is then
+        checked as its own call by `check` right before it runs."""
+        if len(calls) < 2:
+            return
+        for a, b in zip(calls, calls[1:], strict=False):
+            if (a.op, b.op) not in self.spec.fuse:
+                declared = [f"{u} then {n}" for u, n in self.spec.fuse] or "none"
+                raise self.refuse(
+                    "fused call",
+                    f"{a.op!r} then {b.op!r} in one envelope: method {self.spec.name!r} lets "
+                    f"only {declared} share one; nothing was run",
+                )
+
     def after(self, call: Any) -> None:
         """Note a model update: sums after it are of a new model version."""
         op = self.spec.operation(call.op)

@@ -15,7 +15,7 @@ from securevfl.methods import method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
 from securevfl.roles.connection import RoleConnection
-from securevfl.roles.rounds import PartyRound
+from securevfl.roles.rounds import PartyRound, first_round
 from transport import Envelope
 from transport.errors import quote
 
@@ -82,7 +82,8 @@ class PassiveParty:
             if env.kind != P.CALL:
                 self.logger.warning("ignored unexpected %s message", quote(env.kind))
                 continue
-            if env.round <= self.last_round:  # a replay, or a call from before a restart
+            # a replay, or a call from before a restart (a fused envelope: its first call)
+            if first_round(env) <= self.last_round:
                 self._refused(
                     env,
                     PolicyRefusal(

@@ -7,6 +7,9 @@ Every round is driven by the active party:
 
 A `call` with no sums (e.g. backward) is answered by empty contributions (an acknowledgement), so
 the active party always knows a round has finished everywhere before it starts the next.
+With `[network] fuse_rounds`, such an acknowledged call (a batch's backward) may instead ride
+ahead of the next call to the same parties in one envelope (`rounds.fuse`): each party runs the
+calls in order, each checked as its own, and answers once.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ min_group rule and checkpoints are the same on every path.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,123 @@ def parse_call(env: Envelope) -> Call:
     )
 
 
+# ------------------------------------------------------------------------------------ fused calls
+
+# A fused call is one envelope carrying several calls to the same parties, run by each party in
+# order, each checked by its guard as its own call: the update of batch t (e.g. `backward`)
+# rides ahead of the forward of batch t+1, saving one round trip per batch. The envelope is the
+# last call; the earlier ones travel in meta[AHEAD] (their round, op, args and recipients; no
+# sums, no clear collects: they are acknowledged only) with their tensors named
+# ``ahead<i>:<name>``. The active party's tag covers the whole envelope, so every part's round,
+# op, args and tensors are authenticated together.
+AHEAD = "ahead"
+MAX_AHEAD = 4
+_AHEAD_TENSOR = re.compile(r"^ahead(\d+):(.+)$")
+
+
+def _increasing(rounds: Sequence[int]) -> bool:
+    return all(b > a for a, b in zip(rounds, rounds[1:], strict=False))
+
+
+def fuse(calls: Sequence[Call], *, sender: str) -> Envelope:
+    """One call envelope carrying `calls` in order (a single call: its own envelope). Raises
+    ValueError for calls that cannot share an envelope: an earlier one with sums or clear
+    collects, different recipients, rounds not strictly increasing."""
+    *ahead, last = calls
+    env = last.envelope(sender=sender)
+    if not ahead:
+        return env
+    if len(ahead) > MAX_AHEAD:
+        raise ValueError(f"at most {MAX_AHEAD} calls may ride ahead of one call")
+    clash = [name for name in env.tensors if _AHEAD_TENSOR.match(name)]
+    if clash:
+        raise ValueError(f"call {last.op!r} has tensors named like fused calls: {clash}")
+    if not _increasing([c.round for c in calls]):
+        raise ValueError(f"fused calls need increasing rounds, not {[c.round for c in calls]}")
+    parts = []
+    for i, c in enumerate(ahead):
+        if c.sums or c.collect:
+            raise ValueError(
+                f"{c.op!r} (round {c.round}) asks for sums or clear tensors: only the last call "
+                "of a fused envelope may"
+            )
+        if sorted(c.to) != sorted(last.to):
+            raise ValueError(
+                f"{c.op!r} goes to {list(c.to)} and {last.op!r} to {list(last.to)}: only calls to "
+                "the same parties share an envelope"
+            )
+        parts.append({"round": c.round, "op": c.op, "args": dict(c.args), "to": list(c.to)})
+        env.tensors[f"{AHEAD}{i}:ids"] = np.asarray(c.ids, dtype=np.int64)
+        for name, value in c.inputs.items():
+            env.tensors[f"{AHEAD}{i}:{name}"] = value
+    env.meta[AHEAD] = parts
+    return env
+
+
+def calls_of(env: Envelope) -> list[Call]:
+    """The calls a call envelope carries, in the order they run (one unless fused); raises
+    ValueError naming what is malformed."""
+    raw = env.meta.get(AHEAD)
+    if raw is None:
+        return [parse_call(env)]
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_AHEAD:
+        raise ValueError(f"a fused call carries 1..{MAX_AHEAD} earlier calls in {AHEAD!r}")
+    own: dict[str, np.ndarray] = {}
+    parts: list[dict[str, np.ndarray]] = [{} for _ in raw]
+    for name, value in env.tensors.items():
+        m = _AHEAD_TENSOR.match(name)
+        if m is None:
+            own[name] = value
+        elif int(m.group(1)) < len(raw):
+            parts[int(m.group(1))][m.group(2)] = value
+        else:
+            raise ValueError(f"tensor {name!r} belongs to no fused call")
+    calls = []
+    for i, (part, tensors) in enumerate(zip(raw, parts, strict=True)):
+        if not isinstance(part, dict) or set(part) != {"round", "op", "args", "to"}:
+            raise ValueError(f"fused call #{i} must hold exactly round, op, args and to")
+        r = part["round"]
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"fused call #{i} has a malformed round {r!r}")
+        meta = {"op": part["op"], "args": part["args"], "to": part["to"], "sums": [], "collect": []}
+        calls.append(parse_call(_part(env, round=r, tensors=tensors, meta=meta)))
+    meta = {k: v for k, v in env.meta.items() if k != AHEAD}
+    main = parse_call(_part(env, round=env.round, tensors=own, meta=meta))
+    calls.append(main)
+    if not _increasing([c.round for c in calls]):
+        raise ValueError(
+            f"a fused call's rounds {[c.round for c in calls]} are not strictly increasing"
+        )
+    for c in calls[:-1]:
+        if sorted(c.to) != sorted(main.to):
+            raise ValueError(
+                f"fused call {c.op!r} goes to {list(c.to)}, the envelope to {list(main.to)}"
+            )
+    return calls
+
+
+def _part(env: Envelope, *, round: int, tensors: dict, meta: dict) -> Envelope:
+    return Envelope(
+        kind=env.kind,
+        sender=env.sender,
+        session=env.session,
+        round=round,
+        tensors=tensors,
+        meta=meta,
+    )
+
+
+def first_round(env: Envelope) -> int:
+    """The earliest round a call envelope carries (its own unless fused): what a replay check
+    compares with the last round served."""
+    raw = env.meta.get(AHEAD)
+    if isinstance(raw, list) and raw and isinstance(raw[0], dict):
+        r = raw[0].get("round")
+        if isinstance(r, int) and not isinstance(r, bool):
+            return min(r, env.round)
+    return env.round
+
+
 def sum_arrays(tensors: Mapping[str, np.ndarray], key: str) -> dict[str, np.ndarray]:
     """The arrays of sum `key` among a message's tensors (``key`` or ``key/<chunk>``)."""
     return {k: v for k, v in tensors.items() if k == key or k.startswith(key + "/")}
@@ -177,22 +295,47 @@ class PartyRound:
                 env.meta, session=env.session, round=env.round, tensors=env.tensors
             )
             try:
-                call = parse_call(env)
+                calls = calls_of(env)
             except ValueError as exc:
                 raise self.guard.refuse("malformed call", str(exc)) from None
-            self.guard.check(call)
+            self.guard.check_fused(calls)
         finally:
             self.guard.seconds += time.perf_counter() - started
+        # a fused envelope's calls run in order, each checked as its own call right before it
+        # runs (after the previous one's update): exactly as if they had come one by one
+        tensors: dict[str, np.ndarray] = {}
         shapes: dict[str, list[int]] = {}
-        if call.op == P.OP_SETUP:
-            tensors = self._setup(call)
-        elif call.op == P.OP_CHECKPOINT:
-            tensors = self._checkpoint(call)
-        else:
-            tensors, shapes = self._operation(call)
-            self.calls_since_commit += 1
-        self.guard.after(call)
-        return self._reply(call, tensors, shapes)
+        for call in calls:
+            self._check(call)
+            if call.op == P.OP_SETUP:
+                tensors.update(self._setup(call))
+            elif call.op == P.OP_CHECKPOINT:
+                tensors.update(self._checkpoint(call))
+            else:
+                out, sizes = self._operation(call)
+                tensors.update(out)
+                shapes.update(sizes)
+                self.calls_since_commit += 1
+            self.guard.after(call)
+        return self._reply(calls[-1], tensors, shapes)
+
+    def _check(self, call: Call) -> None:
+        """The guard's checks and the method's own rule on one call, before it runs."""
+        started = time.perf_counter()
+        try:
+            self.guard.check(call)
+            if call.op not in (P.OP_SETUP, P.OP_CHECKPOINT):
+                reason = self.method.check_call(
+                    call.op,
+                    ids=call.ids,
+                    args=call.args,
+                    inputs=call.inputs,
+                    groups=[s.group for s in call.sums if self.name in s.group],
+                )
+                if reason is not None:
+                    raise self.guard.refuse("method", reason)
+        finally:
+            self.guard.seconds += time.perf_counter() - started
 
     def _reply(self, call: Call, tensors: dict, shapes: dict) -> Envelope:
         return Envelope(
@@ -397,7 +540,7 @@ class AggregatorRound:
         """Validate a call from the active party; returns it. Raises `RunAborted` for a call
         that names unknown parties or a group the aggregation does not allow."""
         try:
-            call = parse_call(env)
+            call = calls_of(env)[-1]  # any calls ahead of it go to the same parties, no sums
         except ValueError as exc:
             raise RunAborted(f"malformed call from the active party: {exc}") from None
         unknown = sorted(set(call.to) - self.parties)
@@ -490,15 +633,17 @@ class AggregatorRound:
         )
 
     @staticmethod
-    def lost(call: Call, lost: Sequence[str], *, delivered: bool) -> Envelope:
-        """The result telling the active party that the round failed because `lost` are gone;
-        `delivered`: the call had reached every recipient (the others have run it)."""
+    def lost(
+        call: Call, lost: Sequence[str], *, delivered: bool, late: Sequence[str] = ()
+    ) -> Envelope:
+        """The result telling the active party that the round failed because `lost` are gone
+        (or `late` missed its deadline but stay in the run: `readmits_late`); `delivered`: the
+        call had reached every recipient (the others have run it)."""
+        meta: dict[str, Any] = {"lost": list(lost), "shapes": {}, "delivered": delivered}
+        if late:
+            meta["late"] = list(late)
         return Envelope(
-            kind=P.RESULT,
-            sender="aggregator",
-            session=call.session,
-            round=call.round,
-            meta={"lost": list(lost), "shapes": {}, "delivered": delivered},
+            kind=P.RESULT, sender="aggregator", session=call.session, round=call.round, meta=meta
         )
 
 
@@ -513,3 +658,11 @@ def _shape_of(reply: Envelope, key: str) -> list[int]:
 def tolerates_dropout(cfg: RunConfig) -> bool:
     """Whether the run's method goes on without a party that died (its declaration says)."""
     return method_spec(cfg.method).tolerates_dropout
+
+
+def readmits_late(cfg: RunConfig) -> bool:
+    """Whether the run's method keeps a party that missed a round's deadline (alive, slow): it
+    misses that round only and is called again in the next (TabVFL serves it from its failure
+    cache meanwhile). A spec declares it with ``readmits_late = True`` next to
+    `tolerates_dropout`; the others drop such a party (or stop, if they tolerate no dropout)."""
+    return bool(getattr(method_spec(cfg.method), "readmits_late", False))

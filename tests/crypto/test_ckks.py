@@ -94,12 +94,12 @@ def test_public_context_size_excludes_galois_keys(key_holder: CkksKeyHolder) -> 
 
 
 def test_public_context_cannot_decrypt_a_ciphertext(
-    key_holder: CkksKeyHolder, one_chunk: bytes
+    key_holder: CkksKeyHolder, aggregator: CkksPublic, one_chunk: bytes
 ) -> None:
     public_context = ts.context_from(key_holder.public_context_bytes())
-    vector = ts.ckks_vector_from(public_context, one_chunk)
-    with pytest.raises(ValueError, match="secret"):
-        vector.decrypt()
+    assert aggregator.packed_from_frames([one_chunk]).length == aggregator.slots  # it parses...
+    with pytest.raises(ValueError, match="Secret key"):
+        public_context.secret_key()  # ...but the public side has no key to decrypt it with
 
 
 def test_public_side_offers_no_decryption() -> None:
@@ -204,7 +204,7 @@ def test_decrypted_sum_property(
 
 def test_chunking_follows_slots(party: CkksPublic) -> None:
     packed = party.encrypt(np.ones(2 * party.slots + 1))
-    assert party.slots == 4096
+    assert party.slots == 8192  # two values per complex slot at degree 8192
     assert len(packed.chunks) == 3
     assert packed.length == 2 * party.slots + 1
     assert all(len(c) <= party.params.max_chunk_bytes for c in packed.chunks)
@@ -295,7 +295,9 @@ def test_non_bytes_frame_is_refused() -> None:
         PackedCiphertexts.from_frames(["abc"], length=1)  # type: ignore[list-item]
 
 
-@pytest.mark.parametrize("position", [8, 9, 11, 16, 20, 30])
+# a chunk is a 4-byte value count, then SEAL's 16-byte header (magic, header size, version,
+# compression mode, 2 reserved bytes SEAL ignores, total size) and the ciphertext
+@pytest.mark.parametrize("position", [4, 5, 6, 7, 8, 9, 12, 13, 16, 20, 30])
 def test_flipped_seal_header_byte_is_refused(
     aggregator: CkksPublic, one_chunk: bytes, position: int
 ) -> None:
@@ -306,13 +308,18 @@ def test_flipped_seal_header_byte_is_refused(
         aggregator.add([packed])
 
 
-def test_tampered_value_count_is_refused(aggregator: CkksPublic, one_chunk: bytes) -> None:
-    # Byte 2 is inside the protobuf varint holding the vector size (4096).
+@pytest.mark.parametrize(("position", "bit"), [(0, 0x01), (2, 0x10), (3, 0x80)])
+def test_tampered_value_count_is_refused(
+    aggregator: CkksPublic, one_chunk: bytes, position: int, bit: int
+) -> None:
+    # Bytes 0-3 are the little-endian value count (8192).
     tampered = bytearray(one_chunk)
-    tampered[2] ^= 0x10
+    tampered[position] ^= bit
     packed = PackedCiphertexts(chunks=[bytes(tampered)], length=aggregator.slots)
-    with pytest.raises(CkksError, match="values; 4096 were expected"):
+    with pytest.raises(CkksError, match="values; 8192 were expected"):
         aggregator.add([packed])
+    with pytest.raises(CkksError, match="values; 1 to 8192 were expected"):
+        aggregator.packed_from_frames([bytes(tampered)])
 
 
 def test_any_flipped_byte_raises_ckks_error_or_loads(
@@ -347,9 +354,9 @@ def test_chunk_from_other_parameters_is_refused(aggregator: CkksPublic) -> None:
 
 
 def test_mismatched_chunk_counts_are_refused(aggregator: CkksPublic) -> None:
-    full = aggregator.encrypt(np.ones(5000))
-    short = PackedCiphertexts(chunks=full.chunks[:1], length=5000)
-    with pytest.raises(CkksError, match="contribution 1 has 1 chunks but 5000 values need 2"):
+    full = aggregator.encrypt(np.ones(10000))
+    short = PackedCiphertexts(chunks=full.chunks[:1], length=10000)
+    with pytest.raises(CkksError, match="contribution 1 has 1 chunks but 10000 values need 2"):
         aggregator.add([full, short])
 
 
@@ -402,10 +409,10 @@ def test_packed_refuses_negative_length() -> None:
         ({"coeff_mod_bit_sizes": (60,)}, "coeff_mod_bit_sizes", "at least two"),
         ({"coeff_mod_bit_sizes": (61, 40, 60)}, "coeff_mod_bit_sizes[0]", "outside"),
         ({"coeff_mod_bit_sizes": (60, 10, 60)}, "coeff_mod_bit_sizes[1]", "outside"),
-        ({"scale_bits": 50}, "scale_bits", "smallest middle prime"),
+        ({"coeff_mod_bit_sizes": (41, 20), "scale_bits": 40}, "scale_bits", "no room"),
         ({"scale_bits": 10}, "scale_bits", "below 20"),
         ({"scale_bits": 40.0}, "scale_bits", "must be an int"),
-        ({"coeff_mod_bit_sizes": (40, 60), "scale_bits": 40}, "scale_bits", "first prime"),
+        ({"coeff_mod_bit_sizes": (40, 60), "scale_bits": 40}, "scale_bits", "no room"),
     ],
 )
 def test_params_validation_names_the_field(kwargs: dict, field: str, detail: str) -> None:
@@ -414,6 +421,14 @@ def test_params_validation_names_the_field(kwargs: dict, field: str, detail: str
         params.validate()
     with pytest.raises(ValueError, match=detail):
         params.validate()
+
+
+def test_params_validation_accepts_primes_below_the_scale_when_the_modulus_holds_it() -> None:
+    # sums never rescale: only the data modulus as a whole must hold scale + integer bits
+    CkksParams(4096, (34, 33, 20), 40).validate()
+    assert CkksParams(4096, (34, 33, 20), 40).magnitude_bits == 23
+    with pytest.raises(ValueError, match="no room.*lower scale_bits"):
+        CkksParams(4096, (22, 21, 20), 40).validate()
 
 
 @pytest.mark.parametrize(
@@ -429,7 +444,7 @@ def test_params_validation_names_the_field(kwargs: dict, field: str, detail: str
 )
 def test_valid_params_pass(params: CkksParams) -> None:
     params.validate()
-    assert params.slots == params.poly_modulus_degree // 2
+    assert params.slots == params.poly_modulus_degree  # two values per complex slot
 
 
 def test_key_holder_refuses_weak_params() -> None:

@@ -44,7 +44,7 @@ def test_chosen_params_keep_their_promises(precision, magnitude, terms, security
     assert 2.0**sizing.flood_bits * error_bound(params, terms=terms) <= 2.0**-precision
     assert sizing.precision_bits >= precision
     assert 2.0**params.magnitude_bits >= terms * magnitude
-    assert sizing.bytes_per_value == 32 * (len(params.coeff_mod_bit_sizes) - 1)
+    assert sizing.bytes_per_value == 16 * (len(params.coeff_mod_bit_sizes) - 1)
 
 
 def test_the_smallest_degree_is_chosen() -> None:
@@ -62,6 +62,37 @@ def test_the_smallest_degree_is_chosen() -> None:
     assert 38 + 12 + 3 + 13 > MAX_COEFF_MODULUS_BITS[128][2048]
     small = choose_params(precision_bits=0, magnitude=2.0, terms=2)
     assert small.params.poly_modulus_degree == 2048
+
+
+@pytest.mark.parametrize(("precision", "magnitude", "terms"), [*REQUESTS, (12, 2.0**20, 5)])
+def test_the_data_primes_hold_exactly_the_bits_a_sum_needs(precision, magnitude, terms) -> None:
+    params = choose_params(precision_bits=precision, magnitude=magnitude, terms=terms).params
+    data = params.coeff_mod_bit_sizes[:-1]
+    sum_bits = max(0, math.ceil(math.log2(terms * magnitude)))
+    # each b-bit prime counts as b - 1 bits, plus 2 bits of margin: nothing more
+    assert sum(data) == params.scale_bits + sum_bits + 2 + len(data)
+    assert max(data) - min(data) <= 1  # split evenly, no prime sized to the scale
+    assert (len(data) - 1) * 60 < sum(data)  # one prime fewer could not hold it
+
+
+def test_a_chain_of_primes_below_the_scale_decrypts_the_largest_sums() -> None:
+    # 4 parties + the active party, |x| <= 2^20, 12 bits: a 67-bit data modulus in two primes,
+    # each below the 40-bit scale (no rescaling in a sum, so none has to match it)
+    sizing = choose_params(precision_bits=12, magnitude=2.0**20, terms=5)
+    params = sizing.params
+    assert params == CkksParams(4096, (34, 33, 20), 40)
+    assert sizing.security_bits == 128 and sum(params.coeff_mod_bit_sizes) <= 109
+    holder, public = _keys(params)
+    rng = np.random.default_rng(5)
+    xs = [rng.uniform(-(2.0**20), 2.0**20, public.slots) for _ in range(5)]
+    for x in xs:
+        x[:3] = [2.0**20, -(2.0**20), 2.0**20 - 1]  # the extremes the sizing promises
+    total = public.add([public.encrypt(x) for x in xs])
+    raw = holder.decrypt_sum(total, shape=(public.slots,))
+    assert np.max(np.abs(raw - np.sum(xs, axis=0))) <= error_bound(params, terms=5)
+    # the serialisation compresses away the unused high bits of the 64-bit words
+    raw_bytes = 2 * params.poly_modulus_degree * 2 * 8
+    assert all(len(c) < 0.7 * raw_bytes for c in total.chunks)
 
 
 def test_impossible_requests_are_refused_with_reasons() -> None:
@@ -152,9 +183,11 @@ def test_prepared_zeros_are_used_once_and_decrypt(small_keys) -> None:
     # fresh randomness per encryption: the same values never give the same bytes
     assert not set(first.chunks) & set(second.chunks)
     public.prepare_zeros(5)
-    public.encrypt(np.ones(7))  # no prepared zero of length 7: encrypted afresh
     assert public.prepared_zeros == 1
-    public.encrypt(np.ones(5))
+    short = public.encrypt(np.arange(7.0))  # any encryption of zero serves any chunk
+    assert public.prepared_zeros == 0
+    np.testing.assert_allclose(holder.decrypt_sum(short, shape=(7,)), np.arange(7.0), atol=1e-5)
+    public.encrypt(np.ones(5))  # none ready: encrypted afresh
     assert public.prepared_zeros == 0
 
 

@@ -68,7 +68,7 @@ def ckks_stages():
 
 def test_ckks_aggregator_rejects_truncated_and_garbage_frames(ckks_stages):
     holder, party, agg = ckks_stages
-    x = np.linspace(-1, 1, 5000)
+    x = np.linspace(-1, 1, 10000)
     good = party.protect(x, round=1, group=["a", "b"], key="S")
     assert set(good) == {"S/0", "S/1"}
     truncated = dict(good, **{"S/0": good["S/0"][: len(good["S/0"]) // 2]})
@@ -81,12 +81,12 @@ def test_ckks_aggregator_rejects_truncated_and_garbage_frames(ckks_stages):
     with pytest.raises(secure_sum.ContributionError):
         agg.accept(missing_chunk, key="S", sender="b")
     # after rejecting, the same stage still sums valid contributions correctly
-    y = np.cos(np.arange(5000.0))
+    y = np.cos(np.arange(10000.0))
     total = agg.combine(
         {"a": good, "b": party.protect(y, round=1, group=["a", "b"], key="S")},
         group=["a", "b"],
         key="S",
     )
     active = secure_sum.CkksActive(agg.s, key_holder=holder)
-    out = active.reveal(total, group=["a", "b"], key="S", shape=(5000,))
+    out = active.reveal(total, group=["a", "b"], key="S", shape=(10000,))
     assert np.allclose(out, x + y, atol=1e-5)

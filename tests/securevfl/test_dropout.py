@@ -137,3 +137,168 @@ def test_an_intolerant_method_stops_when_a_party_misses_the_round_deadline(small
     assert code != 0 and metrics is None
     log = (d / "run" / "logs" / "aggregator.log").read_text()
     assert "nothing arrived within 1 s while waiting for round" in log
+
+
+# ---------------------------------------------------------------- a late party that comes back
+
+
+class ScriptedHub:
+    """The aggregator's hub with the messages it receives scripted (None: the receive times
+    out) and what it sends recorded: the round logic without sockets or clocks."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.sent = []
+        self.forgotten = []
+        self.session = "00" * 32
+
+    def recv(self, *, timeout):
+        from transport import ReceiveTimeout
+
+        item = self.script.pop(0)
+        if item is None:
+            raise ReceiveTimeout(f"nothing within {timeout} s")
+        return item
+
+    def send(self, to, env):
+        self.sent.append((to, env))
+
+    def forget(self, name):
+        self.forgotten.append(name)
+
+    def connected(self):
+        return set()
+
+
+def _tabvfl_aggregator(tmp_path, script):
+    import logging
+
+    from securevfl.methods.tabvfl.federations import synthetic_federation
+    from securevfl.roles.aggregator import Aggregator
+    from securevfl.roles.rounds import AggregatorRound
+
+    raw = synthetic_federation(tmp_path, method="tabvfl", n_rows=60)
+    cfg = make_config(raw, tmp_path)
+    hub = ScriptedHub(script)
+    agg = Aggregator(cfg=cfg, hub=hub, logger=logging.getLogger("test-aggregator"))
+    agg.rounds = AggregatorRound(cfg=cfg, session=bytes(32))
+    return agg, hub
+
+
+def _forward(round_):
+    from securevfl.roles.rounds import Call
+
+    call = Call(
+        op="forward",
+        round=round_,
+        session="00" * 32,
+        ids=np.arange(4),
+        args={"train": True},
+        to=("g0", "g1"),
+        collect=("h",),
+    )
+    return call.envelope(sender="active")
+
+
+def _h(party, round_, value):
+    from securevfl.roles import protocol as P
+    from transport import Envelope
+
+    return Envelope(
+        kind=P.CONTRIB,
+        sender=party,
+        session="00" * 32,
+        round=round_,
+        tensors={f"h@{party}": np.full((4, 2), value, np.float32)},
+        meta={"shapes": {}},
+    )
+
+
+def test_a_late_party_misses_only_that_round_and_its_stale_reply_is_never_used(tmp_path):
+    """tabvfl readmits a late guest: g1 misses round 5's deadline (the active party is told it
+    is late, not lost; g1 is neither told to stop nor forgotten); its reply to round 5 then
+    arrives during round 6 and is dropped by round id, and round 6 carries g1's fresh output."""
+    agg, hub = _tabvfl_aggregator(
+        tmp_path,
+        [_h("g0", 5, 1.0), None, _h("g1", 5, -99.0), _h("g0", 6, 2.0), _h("g1", 6, 3.0)],
+    )
+    agg._round(_forward(5))
+    ((to, late),) = [(t, e) for t, e in hub.sent if e.kind == "result"]
+    assert to == "active" and late.round == 5
+    assert late.meta["late"] == ["g1"] and late.meta["lost"] == [] and not late.tensors
+    assert agg.dead == set() and hub.forgotten == []
+    assert [e.kind for t, e in hub.sent if t == "g1"] == ["call"]  # no abort
+    hub.sent.clear()
+    agg._round(_forward(6))
+    assert [e.kind for t, e in hub.sent if t == "g1"] == ["call"]  # called again
+    (result,) = [e for t, e in hub.sent if e.kind == "result"]
+    assert result.round == 6 and "late" not in result.meta
+    assert np.all(result.tensors["h@g1"] == 3.0) and np.all(result.tensors["h@g0"] == 2.0)
+    assert agg.missed == {}
+
+
+def test_a_party_late_round_after_round_is_dropped(tmp_path):
+    """Readmission is for a slow party, not a hung one: LATE_ROUNDS_TO_DROP misses in a row
+    drop it for the rest of the run (told, forgotten, reported lost), as without readmission;
+    an answer in time in between starts the count again."""
+    from securevfl.roles.aggregator import LATE_ROUNDS_TO_DROP
+
+    script = [_h("g0", 10, 0.0), None]  # late once ...
+    script += [_h("g0", 11, 0.0), _h("g1", 11, 0.0)]  # ... in time: the count starts again
+    for r in range(12, 12 + LATE_ROUNDS_TO_DROP):
+        script += [_h("g0", r, 0.0), None]
+    agg, hub = _tabvfl_aggregator(tmp_path, script)
+    for r in range(10, 12 + LATE_ROUNDS_TO_DROP):
+        agg._round(_forward(r))
+    results = [e for t, e in hub.sent if e.kind == "result"]
+    assert [e.meta.get("late") for e in results] == [["g1"], None] + [["g1"]] * (
+        LATE_ROUNDS_TO_DROP - 1
+    ) + [None]
+    assert results[-1].meta["lost"] == ["g1"]
+    assert agg.dead == {"g1"} and hub.forgotten == ["g1"]
+    assert [e.kind for t, e in hub.sent if t == "g1"][-1] == "abort"
+
+
+def test_a_late_notice_for_a_method_that_does_not_readmit_stops_the_run(small_federation):
+    """Only a method that declares `readmits_late` keeps a late party; an honest aggregator
+    never reports one late to the others, so a modified one that does (here to a method that
+    drops lost parties) stops the run, rather than leave a party in `ctx.parties` that the
+    method believes gone."""
+    from securevfl.direct import DirectFederation
+    from securevfl.errors import RunAborted
+
+    raw, d = small_federation
+    raw["run"].update({"method": "test-tolerant", "min_group": 2})
+
+    class ForgingAggregator(DirectFederation):
+        def _exchange(self, env):
+            result = super()._exchange(env)
+            if env.meta.get("op") == "forward" and env.round > 5:
+                call = self.aggregator.open(env)
+                return self.aggregator.lost(call, [], delivered=True, late=["gamma"])
+            return result
+
+    fed = ForgingAggregator(make_config(raw, d), run_dir=d / "run")
+    with pytest.raises(RunAborted, match="does not readmit late parties"):
+        fed.run()
+
+
+def test_a_party_late_for_set_up_is_not_readmitted(tmp_path):
+    """Set-up is not a round a party can miss (it would hold nothing to run): even tabvfl drops
+    a party that misses its deadline, as a lost one."""
+    from securevfl.roles import protocol as P
+    from securevfl.roles.rounds import Call
+
+    setup = Call(
+        op=P.OP_SETUP,
+        round=1,
+        session="00" * 32,
+        ids=np.empty(0, dtype=np.int64),
+        to=("g0", "g1"),
+        collect=("present",),
+    ).envelope(sender="active")
+    agg, hub = _tabvfl_aggregator(tmp_path, [_h("g0", 1, 0.0), None])
+    agg._round(setup)
+    (result,) = [e for t, e in hub.sent if e.kind == "result"]
+    assert result.meta["lost"] == ["g1"] and "late" not in result.meta
+    assert agg.dead == {"g1"}

@@ -116,13 +116,13 @@ def test_trains_on_plain_and_mask_which_agree_and_decode_the_plaintext_sums(tmp_
 
 
 @pytest.mark.parametrize("variant", ["mar", "mnar"])
-def test_sums_are_over_present_groups_of_at_least_min_group(tmp_path, variant):
-    """No party's posterior or likelihood is ever alone in a sum: every encode sum is over the
-    parties holding all its rows (>= min_group of them); decode sums are over the same group
-    (mar) or every party (mnar); single-party rows are skipped in training and fall back at
-    test time, where plain aggregation predicts them."""
+def test_pattern_batches_sum_over_present_groups_of_at_least_min_group(tmp_path, variant):
+    """batching = "pattern": no party's posterior or likelihood is ever alone in a sum: every
+    encode sum is over the parties holding all its rows (>= min_group of them); decode sums are
+    over the same group (mar) or every party (mnar); single-party rows are skipped in training
+    and fall back at test time, where plain aggregation predicts them."""
     raw = raw_config(tmp_path, aggregation="mask", single=0.15, variant=variant, stage1_epochs=2)
-    raw["method"].update(stage2_epochs=1)
+    raw["method"].update(stage2_epochs=1, batching="pattern")
     fed = federation(tmp_path, "mask", raw)
     metrics = fed.run()
     assert all(h["skipped_rows"] > 0 for h in fed.history)
@@ -143,6 +143,99 @@ def test_sums_are_over_present_groups_of_at_least_min_group(tmp_path, variant):
     assert n_sums > 0
     raw["run"]["aggregation"] = "plain"
     assert federation(tmp_path, "plain", raw).run()["n_fallback"] == 0
+
+
+@pytest.mark.parametrize("variant", ["mar", "mnar"])
+def test_mixed_batches_add_zeros_for_absent_parties_and_keep_min_group_per_row(tmp_path, variant):
+    """batching = "mixed" (opt-in): one encode and one decode per step, each over every
+    party; a party adds exact zeros on the rows it lacks (mnar: its mask terms there), so each
+    row's sum holds the data of its present parties only, at least min_group of them; rows with
+    fewer are skipped in training and fall back at test time."""
+    raw = raw_config(tmp_path, aggregation="mask", single=0.15, variant=variant, stage1_epochs=2)
+    raw["method"].update(stage2_epochs=1, batching="mixed")
+    fed = federation(tmp_path, "mask", raw)
+    seen = []  # (op, party, tensor, ids, the party's contribution before masking)
+    for p, r in fed.party_rounds.items():
+
+        def watch(spec, value, p=p, inner=r.observe):
+            op, _, _, ids = fed.calls[-1]
+            seen.append((op, p, spec.tensor, ids, np.array(value)))
+            inner(spec, value)
+
+        r.observe = watch
+    metrics = fed.run()
+    assert all(h["skipped_rows"] > 0 for h in fed.history)
+    stage1 = [h for h in fed.history if h["stage"] == 1.0]
+    assert all(h["batches"] == h["steps"] for h in stage1)  # one encode/decode pair per step
+    test_single = int((fed.presence(fed.test_ids).sum(1) == 1).sum())
+    assert test_single > 0 and metrics["n_fallback"] == test_single
+    for op, _, sums, ids in fed.calls:
+        if op in ("encode", "decode"):
+            assert all(spec.group == PARTIES for spec in sums), (op, sums)
+            assert (fed.presence(ids).sum(1) >= 2).all()  # min_group data owners per row
+    assert not all(fed.presence(ids).all() for _, _, _, ids in fed.calls)  # mixed rows
+    zeros = 0
+    for op, party, tensor, ids, value in seen:
+        lacks = ~fed.tables[party].has(ids)
+        if op == "encode" or (variant == "mar" and op == "decode"):
+            assert (value[lacks] == 0).all(), (op, party, tensor)
+            zeros += int(lacks.sum())
+        elif op == "decode" and tensor == "loglik":  # mnar: log P(m = 1 | x_hat) < 0 there
+            assert (value[lacks] < 0).all()
+        if op in ("encode", "decode"):
+            assert (value[~lacks] != 0).any(), (op, party, tensor)
+    assert zeros > 0
+    for spec, plaintext, decoded in fed.sums:
+        assert np.allclose(decoded, plaintext, atol=len(spec.group) * 2.0**-20), spec
+    raw["run"]["aggregation"] = "plain"
+    assert federation(tmp_path, "plain", raw).run()["n_fallback"] == 0
+
+
+def test_a_party_refuses_mixed_calls_that_would_expose_it(tmp_path):
+    """From a modified active party's side (calls it signs itself): a mixed call is refused,
+    before the party computes, if it marks a party present on rows it lacks or absent on rows
+    it holds, sums over fewer than every passive party, or leaves a row with fewer than
+    min_group present parties."""
+    from securevfl.errors import PolicyRefusal
+    from securevfl.methods import SumSpec
+
+    raw = raw_config(tmp_path, aggregation="mask", single=0.15, batching="mixed")
+    fed = federation(tmp_path, "mask", raw)
+    ids = fed.train_ids
+    pres = np.asarray(fed.presence(ids), dtype=bool)
+    rows = {
+        "honest": ids[pres[:, 0] & pres[:, 1]][:6],
+        "lie": ids[pres[:, 0] & pres[:, 1] & ~pres[:, 2]][:6],
+        "hide": ids[pres[:, 0] & pres[:, 1] & pres[:, 2]][6:12],
+        "subset": ids[pres[:, 0] & pres[:, 1]][12:18],
+        "single": ids[pres.sum(1) == 1][:3],
+    }
+
+    def encode(which, present=None, group=PARTIES):
+        r = rows[which]
+        present = np.asarray(fed.presence(r), dtype=bool) if present is None else present
+        return fed.call(
+            "encode",
+            ids=r,
+            args={"train": False, "epoch": 0},
+            inputs={"present": present.astype(np.uint8)},
+            sums=[SumSpec(k, k, group) for k in ("prec_mu", "prec")],
+        )
+
+    assert encode("honest")["prec"].shape == (6, FAST["d_h"])
+    lie = np.asarray(fed.presence(rows["lie"]), dtype=bool)
+    lie[:, 2] = True  # p2 "holds" them: its zeros would hide that p0 + p1 are fewer
+    hide = np.asarray(fed.presence(rows["hide"]), dtype=bool)
+    hide[:, 2] = False  # p2 adds 0: the difference with a full sum would isolate it
+    for which, present, group, needle in (
+        ("lie", lie, PARTIES, "does not hold"),
+        ("hide", hide, PARTIES, "which it holds"),
+        ("subset", None, ("p0", "p1", "p2"), "not every passive party"),
+        ("single", None, PARTIES, "present parties"),
+    ):
+        with pytest.raises(PolicyRefusal, match=needle) as info:
+            encode(which, present, group)
+        assert info.value.rule == "method", which
 
 
 def test_labeled_budget_stage2_and_metrics(tmp_path):
@@ -212,7 +305,7 @@ def test_vanilla_vfl_trains_on_aligned_rows_and_zero_fills_at_test(tmp_path):
 
 @pytest.mark.multiprocess
 def test_ckks_over_processes_agrees_with_plain(tmp_path):
-    small = {"stage1_epochs": 6, "stage2_epochs": 4, "stage2_batch": 32}
+    small = {"stage1_epochs": 6, "stage2_epochs": 4, "stage2_batch": 32, "batching": "mixed"}
     raw = raw_config(tmp_path, **small, stage1_lr=0.02, stage2_lr=0.02)
     plain = federation(tmp_path, "plain", raw).run()
     raw["run"]["aggregation"] = "ckks"
@@ -226,10 +319,7 @@ def test_ckks_over_processes_agrees_with_plain(tmp_path):
     assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.01)
 
 
-def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
-    """bench/false_vfl.py trains FALSE-VFL's accuracy grid through the single-process reference
-    on the federation's own rows: its blocks are each party's z-scored rows (what `encode`
-    reads), 0 where the party lacks the row, and its presence is the active party's."""
+def bench_module():
     import importlib.util
     from pathlib import Path
 
@@ -237,6 +327,14 @@ def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_false_vfl", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
+    """bench/false_vfl.py trains FALSE-VFL's accuracy grid through the single-process reference
+    on the federation's own rows: its blocks are each party's z-scored rows (what `encode`
+    reads), 0 where the party lacks the row, and its presence is the active party's."""
+    bench = bench_module()
     fed = federation(tmp_path, "ref", raw_config(tmp_path, single=0.15))
     ids = np.concatenate([fed.train_ids, fed.test_ids])
     xs, present = bench.party_blocks(fed, ids)
@@ -249,3 +347,81 @@ def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
         read = method._held_inputs(ids[held], "encode").numpy()
         assert np.array_equal(xs[k].numpy()[held], read)
         assert (xs[k].numpy()[~held] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["mar", "mnar"])
+def test_engine_mixed_batches_compute_what_the_reference_computes(tmp_path, variant):
+    """Through the engine (plain, mixed batches: one call per batch over every party, absent
+    parties adding zeros) stage 1 and prediction are `FalseVFLReference`'s math on the same rows,
+    batches, initial weights and noise: every epoch's loss and every test probability agree
+    within float tolerance (the sums' order differs)."""
+    from securevfl.methods.blocks.nets import derived_seed
+    from securevfl.methods.false_vfl.active import mixed_batches
+    from securevfl.methods.false_vfl.model import config_from_options
+    from securevfl.methods.false_vfl.reference import FalseVFLReference
+
+    epochs = 3
+    raw = raw_config(
+        tmp_path, variant=variant, stage1_epochs=epochs, stage2_epochs=0, batching="mixed"
+    )
+    fed = federation(tmp_path, "engine", raw)
+    cfg, opts = fed.config, fed.config.options
+    bench = bench_module()
+    xs, present = bench.party_blocks(fed, fed.train_ids)
+    assert not present.all()  # mixed batches: rows with different present parties
+    ref = FalseVFLReference(
+        [x.shape[1] for x in xs],
+        2,
+        config_from_options(opts),
+        seed=derived_seed(cfg.seed, "false-vfl"),
+        names=PARTIES,
+    )
+    for k, name in enumerate(PARTIES):  # the same initial weights
+        mine = fed.party_methods[name].model.state_dict()
+        for key, value in ref.parties[k].state_dict().items():
+            assert torch.equal(value, mine[key]), (name, key)
+    fed.fit()
+    assert all(h["steps"] == h["batches"] for h in fed.history)  # one call pair per step
+    optimizers = [
+        torch.optim.Adam(m.parameters(), lr=opts.stage1_lr, weight_decay=opts.weight_decay)
+        for m in ref.parties
+    ] + [
+        torch.optim.Adam(
+            ref.active.generative_parameters(), lr=opts.stage1_lr, weight_decay=opts.weight_decay
+        )
+    ]
+    n = len(fed.train_ids)
+    for epoch in range(epochs):
+        loss_sum = 0.0
+        for part in mixed_batches(n, opts.stage1_batch, cfg.seed, epoch):
+            rows = torch.as_tensor(part)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            loss_sum += float(ref.stage1_split([x[rows] for x in xs], present[rows])) * len(part)
+            for opt in optimizers:
+                opt.step()
+        assert fed.history[epoch]["loss"] == pytest.approx(loss_sum / n, rel=1e-4), epoch
+    xt, pt = bench.party_blocks(fed, fed.test_ids)
+    with torch.no_grad():
+        expected = ref.predict_proba(xt, pt).numpy()
+    proba, fallback = fed.method.predict_proba(fed, fed.test_ids)
+    assert not fallback.any()
+    np.testing.assert_allclose(proba, expected, atol=1e-4)
+
+
+def test_the_default_batching_calls_a_party_only_on_rows_it_holds(tmp_path):
+    """batching = "pattern" is the default: no call carries a row to a party that lacks it (a
+    party learns nothing about rows the others hold; "mixed" is opt-in)."""
+    raw = raw_config(tmp_path, single=0.15, stage1_epochs=1, stage2_epochs=0)
+    fed = federation(tmp_path, "plain", raw)
+    assert fed.config.options.batching == "pattern"
+    fed.run()
+    names = list(fed.config.party_names)
+    calls = [(op, sums, ids) for op, _, sums, ids in fed.calls if op in ("encode", "decode")]
+    assert calls
+    for op, sums, ids in calls:
+        pres = np.asarray(fed.presence(ids), dtype=bool)
+        for spec in sums:
+            cols = [names.index(p) for p in spec.group]
+            if op == "encode" or fed.config.options.variant == "mar":
+                assert pres[:, cols].all(), (op, spec.group)

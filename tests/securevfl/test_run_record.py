@@ -134,3 +134,31 @@ def test_every_role_command_resumes_and_checks_the_record_the_aggregator_include
         assert cli.main([*argv, "--resume", "--set", "train.lr=0.5"]) == 2, command
         assert "differs from the one" in capsys.readouterr().err
     assert started == []
+
+
+def test_fusing_rounds_is_operational_and_roles_sharing_a_folder_write_records_apart(tmp_path):
+    from securevfl.run_record import operational
+
+    assert operational("fuse_rounds")
+    assert not operational("epochs")
+    # each process writes its own temporary file, so two roles writing the same record at once
+    # never rename (or lose) each other's
+    import multiprocessing
+
+    target = tmp_path / "effective_config.json"
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_write_many, args=(target, 150)) for _ in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    assert [w.exitcode for w in writers] == [0, 0, 0]
+    assert not list(tmp_path.glob("*.partial"))
+    assert json.loads(target.read_text())["n"] == 149
+
+
+def _write_many(target, n):
+    from securevfl.run_record import _write_json
+
+    for i in range(n):
+        _write_json(target, {"n": i})

@@ -333,8 +333,8 @@ def test_reading_a_large_cache_keeps_little_of_it_resident(tmp_path, monkeypatch
     codes = rng.integers(0, 9, size=(n, 6)).astype(np.int32)
     for start in range(0, n, 100_000):
         part = slice(start, start + 100_000)
-        writer.append(numbers[part], codes[part], None)
-    rows = writer.finish(np.arange(n), texts=False)
+        writer.append(numbers[part], codes[part], None, ids=np.arange(n)[part])
+    rows = writer.finish(texts=False, where="test", texts_at=list)
     size = n * (15 * 8 + 6 * 4)
     peak = 0
     for _ in range(30):
@@ -345,8 +345,11 @@ def test_reading_a_large_cache_keeps_little_of_it_resident(tmp_path, monkeypatch
         peak = max(peak, _cache_resident_bytes(rows.dir))
     assert peak < 1 << 20, peak
     block = 1 << 16
-    for positions, got_numbers, _ in rows.scan(np.arange(n), rows=block):
-        assert np.array_equal(got_numbers, numbers[positions])
+    start = 0
+    for got_numbers, _ in rows.scan_ids(np.arange(n), rows=block):
+        assert np.array_equal(got_numbers, numbers[start : start + len(got_numbers)])
+        start += len(got_numbers)
         peak = max(peak, _cache_resident_bytes(rows.dir))
+    assert start == n
     assert peak < cap + block * (15 * 8 + 6 * 4) + (8 << 20) < size / 3, (peak, size)
     rows.close()

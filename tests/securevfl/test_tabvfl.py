@@ -416,6 +416,97 @@ def test_a_guest_that_crashes_in_a_threaded_run_is_dropped_and_served_from_the_c
     assert np.isfinite(metrics["test"]["latent_f1"])
 
 
+def test_a_guest_late_for_one_round_misses_only_that_round(tmp_path, monkeypatch):
+    """The roles as threads over ZeroMQ: guest g1 keeps its heartbeat but stays silent at one
+    fine-tuning forward until the aggregator has passed that round's deadline, then answers as
+    usual. tabvfl (readmits_late) serves that batch from the cache; g1 stays in the run, its
+    late reply is dropped by round id, it is called again in the next round and every later
+    batch uses its fresh output."""
+    import threading
+
+    from securevfl.inproc import run_federation
+    from securevfl.methods import register_method, registry
+    from securevfl.methods.tabvfl import (
+        OPERATIONS,
+        TABVFL_REFUSAL,
+        ClearReleaseSpec,
+        TabVFLOptions,
+    )
+    from securevfl.methods.tabvfl.active import TabVFLActive
+    from securevfl.methods.tabvfl.party import TabVFLParty
+    from securevfl.roles.aggregator import Aggregator
+
+    # every round (set-up included) must fit in it on a loaded machine; the test waits it once
+    round_timeout = 4.0
+    deadline_passed = threading.Event()
+    missed = Aggregator._missed
+
+    def watched(self, late, env):
+        hung = missed(self, late, env)
+        if "g1" in late:
+            deadline_passed.set()
+        return hung
+
+    monkeypatch.setattr(Aggregator, "_missed", watched)
+
+    class SleepyGuest(TabVFLParty):
+        forwards = 0
+
+        def handle(self, op, **kwargs):
+            if op == "forward" and self.name == "g1" and kwargs["args"].get("train"):
+                type(self).forwards += 1
+                if type(self).forwards == 9:  # fine-tuning epoch 2, its second batch
+                    # silent past the deadline (its heartbeat goes on), then back at once
+                    assert deadline_passed.wait(timeout=60)
+            return super().handle(op, **kwargs)
+
+    if "test-tabvfl-late" not in registry():
+        register_method(
+            ClearReleaseSpec(
+                name="test-tabvfl-late",
+                active=TabVFLActive,
+                party=SleepyGuest,
+                operations=OPERATIONS,
+                options=TabVFLOptions,
+                tasks=("binary", "multiclass"),
+                runs_on_sums=False,
+                tolerates_dropout=True,
+                readmits_late=True,
+                refusal=TABVFL_REFUSAL,
+            )
+        )
+    SleepyGuest.forwards = 0
+    raw = synthetic_federation(
+        tmp_path,
+        method="tabvfl",
+        n_rows=600,
+        train={"epochs": 3, "batch_size": 64},
+        options={**QUICK, "pretrain_epochs": 1},
+    )
+    raw["run"]["method"] = "test-tabvfl-late"
+    raw["network"] = {**NETWORK, "round_timeout": round_timeout}
+    code, metrics = run_federation(_cfg(raw, tmp_path), out=tmp_path / "run")
+    assert code == 0
+    assert metrics["lost_parties"] == [] and "lost" not in metrics["roles"]["g1"]
+    info = metrics["tabvfl"]
+    assert info["epochs"] == {"pretrain": 1, "finetune": 3}
+    batches = (info["fit_rows"] + 63) // 64
+    assert SleepyGuest.forwards == 3 * batches  # called in every fine-tuning batch
+    # the batch it was late for (and only the batches it was late for) came from the cache:
+    # every other fine-tuning batch, all those after the late one included, used g1's answer
+    late = info["late"]["g1"]
+    assert 1 <= late <= 2, info["late"]  # 1 on an idle machine
+    assert info["filled"]["finetune"] == {"cache": late, "zeros": 0}
+    assert info["filled"]["pretrain"] == {"cache": 0, "zeros": 0}
+    log = (tmp_path / "run" / "logs" / "aggregator.log").read_text()
+    assert "'g1' did not answer round" in log and "called again in the next" in log
+    assert "lost party" not in log
+    # its late reply arrived after its round closed: dropped by round id, never used
+    dropped = [line for line in log.splitlines() if "dropped 'contrib'" in line]
+    assert len(dropped) == late and all("g1" in line for line in dropped), dropped
+    assert np.isfinite(metrics["test"]["latent_f1"])
+
+
 def test_embedding_dp_noises_what_guests_send_and_reaches_the_ledger(tmp_path):
     raw = synthetic_federation(
         tmp_path,

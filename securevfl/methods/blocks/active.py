@@ -55,9 +55,9 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         self.own_scaler = Standardizer()
         self._own_scaled: np.ndarray | None = None
         if self.own_name is not None:
-            self.own = nn.ModuleDict(
-                {m: self.build_own_model(m) for m in self.own_model_names()}
-            ).to(self.device)
+            self.own = nn.ModuleDict({m: self._own_model(m) for m in self.own_model_names()}).to(
+                self.device
+            )
         self.build_heads()
         params = list(self.heads.parameters())
         if self.own is not None:
@@ -89,10 +89,25 @@ class BlockActive(BlockEvaluation, ActiveMethod):
     def own_model_names(self) -> list[str]:
         return ["rep"]
 
+    def input_width(self) -> int:
+        """What `build_own_model`'s model reads: the active party's columns, with each
+        categorical code column ([categorical] embedding) replaced by its embedding."""
+        from securevfl.methods.blocks.embedding import input_width
+
+        return input_width(self.table, self.config)
+
+    def _own_model(self, model: str) -> Any:
+        """`build_own_model`'s model behind the embeddings of the own code columns (if any)."""
+        from securevfl.methods.blocks.embedding import with_embeddings
+
+        cfg = self.config
+        seed = derived_seed(cfg.seed, self.method_name, model, cfg.active_name)
+        return with_embeddings(self.table, cfg, self.build_own_model(model), seed=seed)
+
     def build_own_model(self, model: str) -> Any:
         cfg = self.config
         return mlp(
-            len(self.table.columns),
+            self.input_width(),
             cfg.hidden,
             cfg.width,
             seed=derived_seed(cfg.seed, self.method_name, model, cfg.active_name),
@@ -260,6 +275,9 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         if ctx.start_epoch == 0 and self.own_name is not None:
             own_rows = self.table.rows(train_ids)
             self.own_scaler = fit_scaler(own_rows[~np.all(np.isnan(own_rows), axis=1)], cfg)
+            from securevfl.methods.blocks.embedding import keep_codes
+
+            keep_codes(self.own_scaler, self.table)  # categorical codes stay codes
             self._own_scaled = None
         labels = self.table.label_rows(train_ids) if cfg.options.balanced else None
         for epoch in range(ctx.start_epoch, cfg.epochs):

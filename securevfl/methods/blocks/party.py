@@ -60,11 +60,25 @@ class BlockParty(PartyMethod):
     def build_model(self, model: str) -> nn.Module:
         cfg = self.config
         return mlp(
-            len(self.table.columns),
+            self.input_width(),
             cfg.hidden,
             cfg.width,
             seed=derived_seed(cfg.seed, self.method_name, model, self.name),
         )
+
+    def input_width(self) -> int:
+        """What `build_model`'s model reads: the table's columns, with each categorical code
+        column ([categorical] embedding) replaced by its embedding."""
+        from securevfl.methods.blocks.embedding import input_width
+
+        return input_width(self.table, self.config)
+
+    def _model(self, model: str) -> nn.Module:
+        """`build_model`'s model behind the embeddings of the table's code columns (if any)."""
+        from securevfl.methods.blocks.embedding import with_embeddings
+
+        seed = derived_seed(self.config.seed, self.method_name, model, self.name)
+        return with_embeddings(self.table, self.config, self.build_model(model), seed=seed)
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = np.asarray(inputs["train_ids"])
@@ -74,10 +88,11 @@ class BlockParty(PartyMethod):
         self.scaler = fit_scaler(
             self.table.column_summary(held) if streamed else self.table.rows(held), self.config
         )
+        from securevfl.methods.blocks.embedding import keep_codes
+
+        keep_codes(self.scaler, self.table)  # categorical codes stay codes
         self._scaled = None if streamed else self.scaler.transform(self.table.values)
-        self.models = nn.ModuleDict({m: self.build_model(m) for m in self.model_names()}).to(
-            self.device
-        )
+        self.models = nn.ModuleDict({m: self._model(m) for m in self.model_names()}).to(self.device)
         # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it: one Opacus
         # optimizer per model (a batch may train only some of a party's models), each step
         # charged to the ledger; the active party's loss is a batch mean. Without it, one

@@ -2,9 +2,13 @@
 ``z -> h -> x^k`` over the parties that hold a row, trained on every training row (labeled or not,
 aligned or not), with a discriminator ``y | h`` trained on the labeled rows.
 
-Every cross-party quantity is a secure sum over the parties present in a batch (batches are
-pattern-homogeneous, so a sum's group is exactly the parties holding its rows, and every member
-holds every row):
+Every cross-party quantity is a secure sum; each row's sum holds the data of the parties present
+in that row only. `batching = "pattern"` (default): pattern-homogeneous batches, each summed
+over exactly the parties holding its rows (a party is called only on rows it holds);
+`batching = "mixed"` (opt-in, faster): one call per batch of rows of any presence, summed over
+every party, a party adding exact zeros on the rows it lacks (the call carries the presence,
+which every party checks against what it holds, with min_group present parties per row; every
+party sees the ids, presence and h of every row of the batch).
 
 * ``encode``: each present party's Gaussian expert of q(h | x^k), summed: ``prec_mu`` and
   ``prec`` (or ``mu`` and ``prec`` under ``aggregation = "mean"``), each [n, d_h];
@@ -31,6 +35,7 @@ from securevfl.methods.options import option
 
 VARIANTS = ("mar", "mnar")
 AGGREGATIONS = ("poe", "mean")
+BATCHINGS = ("mixed", "pattern")
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,18 @@ class FalseVFLOptions:
         1e-3, "stage 2 Adam learning rate", minimum=0.0, exclusive_minimum=True
     )
     weight_decay: float = option(1e-4, "Adam weight decay of every model", minimum=0.0)
-    stage1_batch: int = option(256, "stage 1 batch size (per row pattern)", minimum=1)
-    stage2_batch: int = option(64, "stage 2 batch size (per row pattern)", minimum=1)
+    stage1_batch: int = option(256, "stage 1 batch size", minimum=1)
+    stage2_batch: int = option(64, "stage 2 batch size", minimum=1)
+    batching: str = option(
+        "pattern",
+        "pattern: one call per presence pattern, over the parties holding its rows (a party is "
+        "called only on rows it holds and, mar, sees h only of those; many small calls); "
+        "mixed: one call per batch of rows with any present parties, over every party (a party "
+        "adds exact zeros on rows it lacks; every party then sees the ids, presence and h of "
+        "every row of the batch, also rows it lacks: faster, and reveals to each party which "
+        "rows the others hold)",
+        choices=BATCHINGS,
+    )
 
 
 _WHY_POSTERIOR = (
@@ -92,24 +107,27 @@ _WHY_LOGLIK = "a party's log-likelihood per row and sample of h: only inside the
 OPERATIONS = (
     Operation(
         "encode",
-        "this party's expert of the posterior on rows `ids`, which it must all hold: "
-        "precision-weighted mean and precision (mean and precision under aggregation = mean); "
-        "a training encode is kept for the backward",
+        "this party's expert of the posterior on rows `ids`: precision-weighted mean and "
+        "precision (mean and precision under aggregation = mean), exact zeros on the rows input "
+        "`present` marks it absent on (without `present`: rows it must all hold); a training "
+        "encode is kept for the backward",
         releases=(
             Release("prec_mu", why=_WHY_POSTERIOR),
             Release("mu", why=_WHY_POSTERIOR),
             Release("prec", why=_WHY_POSTERIOR),
         ),
+        inputs=("present",),
     ),
     Operation(
         "decode",
         "log p(x^k | h) per row and sample of the input h (variant mnar: plus the mask "
-        "log-likelihood, also on rows the party lacks); in training also its gradient in h",
+        "log-likelihood, also on rows the party lacks; mar: exact zeros on rows it lacks); in "
+        "training also its gradient in h",
         releases=(
             Release("loglik", why=_WHY_LOGLIK),
             Release("dloglik_dh", why=_WHY_LOGLIK + " (its gradient in h)"),
         ),
-        inputs=("h",),
+        inputs=("h", "present"),
     ),
     Operation(
         "backward",

@@ -2,8 +2,10 @@
 discriminator p(y | h) and the schedule.
 
 Stage 1 (epochs ``0 .. stage1_epochs - 1``) maximises the importance-weighted bound of
-log p(x^obs) on every training row; a step is several pattern-homogeneous batches (each summed
-over the parties holding its rows) and one backward. Stage 2 freezes everything but the
+log p(x^obs) on every training row; a step is one mixed batch (`batching = "mixed"`: one encode
+and one decode over every party, which add zeros on rows they lack; `mixed_batches`) or several
+pattern-homogeneous batches (`"pattern"`: each summed over the parties holding its rows), and
+one backward. Stage 2 freezes everything but the
 discriminator and maximises the conditional bound on the labeled rows only: since the parties'
 models no longer change, the importance samples (h, log w) of every epoch are drawn up front, in
 one encode and one decode per batch for up to `BANK_FLOATS` of them (the same distribution as
@@ -31,6 +33,7 @@ from securevfl.methods.blocks.nets import class_count, derived_seed
 from securevfl.metrics import task_metrics
 
 Group = tuple[str, ...]
+Batch = tuple[np.ndarray, np.ndarray, Group]  # row ids, presence [n, K] (party_names), group
 EVAL_ROWS = 512  # rows per sampling call: h is [rows, samples, d_h]
 PRIOR_SAMPLES = 1000
 BANK_FLOATS = 2**24  # stage 2 draws at most this many h values at a time (64 MiB)
@@ -57,6 +60,7 @@ class FalseVFLActiveMethod(ActiveMethod):
             self.model.discriminator.parameters(), lr=opts.stage2_lr, weight_decay=wd
         )
         self.first = "prec_mu" if self.model_cfg.aggregation == "poe" else "mu"
+        self.mixed = opts.batching == "mixed"
         self.totals = {"skipped_rows": 0, "n_fallback": 0}
         # stage 2's importance samples: (first epoch, epochs, row ids, h, log w)
         self._bank: tuple[int, int, np.ndarray, Any, Any] | None = None
@@ -72,14 +76,42 @@ class FalseVFLActiveMethod(ActiveMethod):
         names = list(self.config.party_names)
         return np.asarray(ctx.presence(ids), dtype=bool), names
 
+    def _allowed(self, ctx: ActiveContext, group: Group) -> bool:
+        """Whether rows whose present parties are `group` may be summed: their posterior sum
+        and (mnar, or mixed batches) the decode sum over every party."""
+        everyone = tuple(ctx.parties)
+        decode = everyone if self.model_cfg.mnar or self.mixed else group
+        return bool(group) and ctx.sum_allowed(group) and ctx.sum_allowed(decode)
+
+    def _rows_allowed(self, ctx: ActiveContext, pres: np.ndarray, names: list[str]) -> np.ndarray:
+        """bool [n]: the rows (presence `pres`) whose present parties may be summed."""
+        codes = pattern_codes(pres)
+        ok = np.zeros(len(pres), dtype=bool)
+        for code in np.unique(codes):
+            rows = codes == code
+            first = pres[np.argmax(rows)]
+            ok[rows] = self._allowed(
+                ctx, tuple(n for n, on in zip(names, first, strict=True) if on)
+            )
+        return ok
+
     def _steps(
         self, ctx: ActiveContext, ids: np.ndarray, batch_size: int, epoch: int
-    ) -> tuple[list[list[tuple[np.ndarray, Group]]], int]:
-        """The epoch's steps, each a list of pattern-homogeneous batches (ids, group of present
-        parties) of about `batch_size` rows in all, and the number of rows left out because
-        their group may not be summed. Reproducible from (seed, epoch)."""
+    ) -> tuple[list[list[Batch]], int]:
+        """The epoch's steps, each a list of batches (ids, presence [n, K], group) of about
+        `batch_size` rows in all, and the number of rows left out because their present parties
+        may not be summed. Reproducible from (seed, epoch). Mixed: one batch per step, a
+        shuffled slice of the allowed rows (`mixed_batches`), summed over every party; pattern:
+        pattern-homogeneous batches, each over the parties holding its rows."""
         pres, names = self._groups(ctx, ids)
-        steps: list[list[tuple[np.ndarray, Group]]] = [[]]
+        if self.mixed:
+            ok = self._rows_allowed(ctx, pres, names)
+            steps = [
+                [(ids[ok][part], pres[ok][part], tuple(names))]
+                for part in mixed_batches(int(ok.sum()), batch_size, self.config.seed, epoch)
+            ]
+            return steps, int((~ok).sum())
+        steps: list[list[Batch]] = [[]]
         size, skipped = 0, 0
         for rows, pattern in pattern_batches(
             ids, pres, batch_size=batch_size, seed=self.config.seed, epoch=epoch
@@ -91,63 +123,73 @@ class FalseVFLActiveMethod(ActiveMethod):
             if size and size + len(rows) > batch_size:
                 steps.append([])
                 size = 0
-            steps[-1].append((rows, group))
+            steps[-1].append((rows, np.tile(np.asarray(pattern, bool), (len(rows), 1)), group))
             size += len(rows)
         return [s for s in steps if s], skipped
 
-    def _allowed(self, ctx: ActiveContext, group: Group) -> bool:
-        decode = tuple(ctx.parties) if self.model_cfg.mnar else group
-        return bool(group) and ctx.sum_allowed(group) and ctx.sum_allowed(decode)
+    def _call_inputs(self, pres: np.ndarray) -> dict[str, np.ndarray]:
+        """Mixed calls carry the rows' presence (every party checks its own column)."""
+        return {"present": pres.astype(np.uint8)} if self.mixed else {}
 
     def _posterior(
-        self, ctx: ActiveContext, ids: np.ndarray, group: Group, *, train: bool, epoch: int
+        self, ctx: ActiveContext, batch: Batch, *, train: bool, epoch: int
     ) -> dict[str, Any]:
-        """The round-1 sums over `group` (and the count, which the active party knows)."""
+        """The round-1 sums of a batch (over its group: every party when mixed, where absent
+        parties add zeros) and the count of present parties, which the active party knows."""
         from securevfl.methods.false_vfl.model import SUM_COUNT
 
+        ids, pres, group = batch
         got = ctx.call(
             "encode",
             ids=ids,
             args={"train": train, "epoch": epoch},
+            inputs=self._call_inputs(pres),
             sums=[SumSpec(k, k, group) for k in (self.first, "prec")],
         )
         sums = {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}
-        sums[SUM_COUNT] = torch.full((len(ids),), float(len(group)))
+        sums[SUM_COUNT] = torch.as_tensor(pres.sum(1), dtype=torch.float32)
         return sums
 
     def _loglik(
-        self,
-        ctx: ActiveContext,
-        ids: np.ndarray,
-        group: Group,
-        h: Any,
-        *,
-        train: bool,
-        epoch: int,
+        self, ctx: ActiveContext, batch: Batch, h: Any, *, train: bool, epoch: int
     ) -> tuple[dict[str, Any], Group]:
-        """The round-2 sums at samples h: over `group` (variant mar) or every party (mnar)."""
-        over = tuple(ctx.parties) if self.model_cfg.mnar else group
+        """The round-2 sums at samples h: over the batch's group (mar, pattern) or every party
+        (mnar, or mixed: absent parties add zeros, mnar their mask terms)."""
+        ids, pres, group = batch
+        over = tuple(ctx.parties) if self.model_cfg.mnar or self.mixed else group
         tensors = ("loglik", "dloglik_dh") if train else ("loglik",)
+        args: dict[str, Any] = {"train": train, "epoch": epoch}
+        if not self.mixed:
+            args["observed"] = list(group)
         got = ctx.call(
             "decode",
             ids=ids,
-            args={"train": train, "epoch": epoch, "observed": list(group)},
-            inputs={"h": h.cpu().numpy()},
+            args=args,
+            inputs={"h": h.cpu().numpy(), **self._call_inputs(pres)},
             sums=[SumSpec(t, t, over) for t in tensors],
         )
         return {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}, over
 
-    def _log_weights(self, ctx: ActiveContext, ids: np.ndarray, group: Group, n_samples: int):
+    def _log_weights(self, ctx: ActiveContext, batch: Batch, n_samples: int):
         """(log w [n, S], h [n, S, d_h]) of the current (frozen) model, without gradients."""
-        sums = self._posterior(ctx, ids, group, train=False, epoch=0)
+        sums = self._posterior(ctx, batch, train=False, epoch=0)
         h = self.model.begin(sums, n_samples)
-        ll, _ = self._loglik(ctx, ids, group, h, train=False, epoch=0)
+        ll, _ = self._loglik(ctx, batch, h, train=False, epoch=0)
         return self.model.finish_log_weights(ll["loglik"])
 
     def _samples(self, ctx: ActiveContext, ids: np.ndarray, n_samples: int) -> Iterator[tuple]:
-        """(positions in `ids`, log w, h) per pattern-homogeneous chunk of rows, or (positions,
-        None, None) for rows whose group may not be summed."""
+        """(positions in `ids`, log w, h) per chunk of rows (mixed: up to `EVAL_ROWS` allowed rows
+        in order; pattern: of one presence pattern), or (positions, None, None) for rows whose
+        present parties may not be summed."""
         pres, names = self._groups(ctx, ids)
+        if self.mixed:
+            ok = self._rows_allowed(ctx, pres, names)
+            if not ok.all():
+                yield np.flatnonzero(~ok), None, None
+            for part in chunks(np.flatnonzero(ok), EVAL_ROWS):
+                batch = (ids[part], pres[part], tuple(names))
+                yield (part, *self._log_weights(ctx, batch, n_samples))
+            return
         codes = pattern_codes(pres)
         for code in np.unique(codes):
             rows = np.flatnonzero(codes == code)
@@ -156,7 +198,7 @@ class FalseVFLActiveMethod(ActiveMethod):
                 yield rows, None, None
                 continue
             for part in chunks(rows, EVAL_ROWS):
-                yield (part, *self._log_weights(ctx, ids[part], group, n_samples))
+                yield (part, *self._log_weights(ctx, (ids[part], pres[part], group), n_samples))
 
     # --- training
 
@@ -181,7 +223,7 @@ class FalseVFLActiveMethod(ActiveMethod):
         steps, skipped = self._steps(ctx, ids, batch, epoch)
         loss_sum, rows = 0.0, 0
         for step in steps:
-            n = sum(len(b) for b, _ in step)
+            n = sum(len(b[0]) for b in step)
             loss_sum += self._stage1_step(ctx, step, epoch) * n
             rows += n
         return {
@@ -193,35 +235,39 @@ class FalseVFLActiveMethod(ActiveMethod):
             "skipped_rows": float(skipped),
         }
 
-    def _stage1_step(
-        self, ctx: ActiveContext, step: list[tuple[np.ndarray, Group]], epoch: int
-    ) -> float:
+    def _stage1_step(self, ctx: ActiveContext, step: list[Batch], epoch: int) -> float:
         """One step of -L_kappa (the marginal bound) on the rows of `step`'s batches: every
         model but the discriminator. Returns the step's mean loss."""
-        ids = np.concatenate([b for b, _ in step])
+        ids = np.concatenate([b[0] for b in step])
         n, kappa = len(ids), self.model_cfg.kappa
+        names = list(self.config.party_names)
         self.gen_opt.zero_grad(set_to_none=True)
         self.model.train()
-        # d loss / d each sum, per party, on the step's rows (0 where it did not contribute)
+        # d loss / d each sum, per party, on the step's rows: 0 on rows whose sum it did not
+        # contribute data to (mnar: its mask terms count, on every row)
         message: dict[str, dict[str, np.ndarray]] = {}
         loss_sum, start = 0.0, 0
-        for b_ids, group in step:
-            rows = slice(start, start + len(b_ids))
+        for batch in step:
+            b_ids, pres, group = batch
+            rows = np.arange(start, start + len(b_ids))
             start += len(b_ids)
-            sums = self._posterior(ctx, b_ids, group, train=True, epoch=epoch)
+            sums = self._posterior(ctx, batch, train=True, epoch=epoch)
             h = self.model.begin(sums, kappa, train=True)
-            ll, over = self._loglik(ctx, b_ids, group, h, train=True, epoch=epoch)
+            ll, over = self._loglik(ctx, batch, h, train=True, epoch=epoch)
             loss, grads = self.model.finish_stage1(
                 ll["loglik"], ll["dloglik_dh"], weight=len(b_ids) / n
             )
             loss_sum += float(loss) * len(b_ids)
             for party in over:
-                keys = ("loglik", self.first, "prec") if party in group else ("loglik",)
+                held = pres[:, names.index(party)]
+                keys = {"loglik": np.ones_like(held) if self.model_cfg.mnar else held}
+                if party in group:
+                    keys.update({self.first: held, "prec": held})
                 mine = message.setdefault(party, {})
-                for key in keys:
+                for key, where in keys.items():
                     g = grads[key].cpu().numpy()
                     full = mine.setdefault(f"d_{key}", np.zeros((n, *g.shape[1:]), np.float32))
-                    full[rows] = g
+                    full[rows[where]] = g[where]
         # parties with the same message get one call; label-free (stage 1 never reads y), but
         # sent through the context like every gradient the active party returns
         by_content: dict[tuple, list[str]] = {}
@@ -344,3 +390,12 @@ class FalseVFLActiveMethod(ActiveMethod):
         self.phi_opt.load_state_dict(state["phi_opt"])
         self.model.generator.set_state(state["generator"])
         self.totals = {k: int(v) for k, v in state["totals"].items()}
+
+
+def mixed_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """Stage 1's mixed batches of an epoch: positions 0..n-1 shuffled by (seed, epoch) and cut
+    into ceil(n / batch_size) near-equal parts (as `FalseVFLReference.fit` cuts its epochs)."""
+    if n == 0:
+        return []
+    perm = np.random.default_rng([seed, epoch, 0x3F15]).permutation(n)
+    return [p for p in np.array_split(perm, -(-n // batch_size)) if len(p)]

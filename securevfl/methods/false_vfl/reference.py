@@ -135,17 +135,29 @@ class TrainSchedule:
 class FalseVFLReference:
     """K `ReferenceParty` objects and one `FalseVFLActive`, run in one process; every cross-party
     quantity goes through `secure_sum` (in memory), so the math here is what the federation runs
-    once that sum is secure. xs is a list of K tensors [n, d_k]; present is bool [n, K]."""
+    once that sum is secure. xs is a list of K tensors [n, d_k]; present is bool [n, K].
+    `names` (default party0, party1, ...) seed each party's models as the federation's parties of
+    those names are seeded (with the same `seed`, they start from the same weights)."""
 
     def __init__(
-        self, d_parts: Sequence[int], n_classes: int, cfg: FalseVFLConfig, *, seed: int
+        self,
+        d_parts: Sequence[int],
+        n_classes: int,
+        cfg: FalseVFLConfig,
+        *,
+        seed: int,
+        names: Sequence[str] | None = None,
     ) -> None:
         if len(d_parts) < 1:
             raise ValueError("need at least one party")
+        names = [f"party{k}" for k in range(len(d_parts))] if names is None else list(names)
+        if len(names) != len(d_parts) or len(set(names)) != len(names):
+            raise ValueError(f"names must be {len(d_parts)} distinct names, got {names}")
         self.cfg = cfg
         self.seed = seed
         self.parties = [
-            ReferenceParty(d, cfg, seed=seed, name=f"party{k}") for k, d in enumerate(d_parts)
+            ReferenceParty(d, cfg, seed=seed, name=name)
+            for d, name in zip(d_parts, names, strict=True)
         ]
         self.active = FalseVFLActive(n_classes, cfg, seed=seed)
 

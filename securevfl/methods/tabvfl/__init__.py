@@ -239,9 +239,12 @@ def check_tabnet(cfg: Any, opts: TabNetOptions) -> None:
 @dataclass(frozen=True)
 class ClearReleaseSpec(MethodSpec):
     """A method that releases per-guest values in the clear: refuses secure aggregation with
-    the reason and the alternative before the generic checks."""
+    the reason and the alternative before the generic checks. `readmits_late`: a guest that
+    misses a round's deadline (alive, slow) misses that round only and stays in the run
+    (`securevfl.roles.rounds.readmits_late`; needs `tolerates_dropout`)."""
 
     refusal: str = ""
+    readmits_late: bool = False
 
     def validate_config(self, cfg: Any) -> None:
         if cfg.aggregation != "plain":
@@ -283,6 +286,7 @@ SPECS = [
         "outputs), failure cache",
         checks=(check_tabnet,),
         tolerates_dropout=True,
+        readmits_late=True,  # the failure cache serves a late guest for the rounds it misses
         example=partial(tabvfl_example, method="tabvfl"),
         refusal=TABVFL_REFUSAL,
     ),

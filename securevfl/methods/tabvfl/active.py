@@ -86,6 +86,8 @@ class TabVFLActive(Schedule):
         self.tally["offline"] = {p: 0 for p in PHASES}  # guest-epochs served by the fill
         # guest-batches of training served by each fill (simulated offline or lost for good)
         self.tally["filled"] = {p: {"cache": 0, "zeros": 0} for p in PHASES}
+        # per guest: rounds of clear outputs it missed the deadline of (it stayed in the run)
+        self.tally["late"] = {}
 
     def _build(self, dims: Sequence[int]) -> None:
         from securevfl.methods.tabvfl.split import TabVFLHost
@@ -120,17 +122,30 @@ class TabVFLActive(Schedule):
         self, ctx: ActiveContext, op: str, ids: np.ndarray, to: Sequence[str], args: dict
     ) -> dict[str, dict[str, np.ndarray]]:
         """Each guest's clear tensors of `op`; a guest lost meanwhile is left out (the others
-        run the forward again: it changes nothing they keep)."""
+        run the forward again: it changes nothing they keep), and so is one that missed the
+        round's deadline, for this call only: it stays in `ctx.parties` and is called again
+        from the next batch on (the aggregator drops its late reply by round id)."""
         names = ["h", "prior"] if op == "pretrain_forward" else ["h"]
+        late: set[str] = set()
         while True:
-            live = [p for p in to if p in ctx.parties]
+            live = [p for p in to if p in ctx.parties and p not in late]
             if not live:
                 return {}
             try:
                 got = ctx.call(op, ids=ids, args=args, to=live, collect=names)
-            except PartyDropped:
+            except PartyDropped as exc:
+                late.update(self._late(ctx, exc))
                 continue
             return {p: {n: got[f"{n}@{p}"] for n in names} for p in live}
+
+    def _late(self, ctx: ActiveContext, exc: PartyDropped) -> list[str]:
+        """The guests that missed a round's deadline but stay in the run (`parties` of
+        `roles.active_round.PartyLate`; a lost guest has left ctx.parties already), counted."""
+        late = [p for p in getattr(exc, "parties", ()) if p in ctx.parties]
+        counts = self.tally.setdefault("late", {})
+        for p in late:
+            counts[p] = counts.get(p, 0) + 1
+        return late
 
     def _call_one(
         self, ctx: ActiveContext, op: str, ids: np.ndarray, guest: str, **kwargs: Any
@@ -139,7 +154,8 @@ class TabVFLActive(Schedule):
             return None
         try:
             got = ctx.call(op, ids=ids, to=[guest], **kwargs)
-        except PartyDropped:
+        except PartyDropped as exc:
+            self._late(ctx, exc)
             return None
         return {k.rsplit("@", 1)[0]: v for k, v in got.items()}
 
