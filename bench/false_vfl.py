@@ -617,6 +617,8 @@ def overhead(out_dir: Path, *, reps: int, epochs: int) -> dict[str, Any]:
     `epochs` stage-1 epochs; returns the per-epoch seconds of each and their ratio."""
     import numpy as np
 
+    from securevfl.config import dump_toml
+
     work = Path(tempfile.mkdtemp(prefix="false-vfl-overhead-"))
     try:
         job = {
@@ -637,7 +639,7 @@ def overhead(out_dir: Path, *, reps: int, epochs: int) -> dict[str, Any]:
                 raw["run"]["min_group"] = raw["policy"]["min_group"] = 1
                 raw["network"] = {"round_timeout": 300.0, "startup_timeout": 300.0}
                 config = work / f"{aggregation}{rep}.toml"
-                config.write_text(toml(raw))
+                config.write_text(dump_toml(raw))
                 run_dir = work / f"{aggregation}{rep}"
                 env = dict(os.environ, OMP_NUM_THREADS="1")
                 done = subprocess.run(
@@ -668,32 +670,6 @@ def overhead(out_dir: Path, *, reps: int, epochs: int) -> dict[str, Any]:
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def toml(raw: dict[str, Any]) -> str:
-    """A config dict as TOML (the subset these configs use)."""
-
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
-        return repr(v)
-
-    lines = []
-    for section, table in raw.items():
-        if section == "parties":
-            for name, party in table.items():
-                lines.append(f"[parties.{name}]")
-                lines += [f"{k} = {value(v)}" for k, v in party.items()]
-            continue
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------

@@ -130,26 +130,10 @@ def config_raw(
 
 
 def write_toml(raw: Mapping[str, Any], path: Path) -> Path:
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list | tuple):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return repr(v)
+    from securevfl.config import dump_toml
 
-    lines: list[str] = []
-    for section, table in raw.items():
-        if section == "parties":
-            for name, party in table.items():
-                lines.append(f"[parties.{name}]")
-                lines += [f"{k} = {value(v)}" for k, v in party.items()]
-            continue
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(dump_toml(raw))
     return path
 
 
