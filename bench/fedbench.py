@@ -239,6 +239,8 @@ def run_federation(
         "dataset": prep.dataset.name,
         "rtt_ms": rtt_ms,
         "mbit": mbit if rtt_ms is not None else None,
+        # one exchange per batch when the method fuses backward(t) with forward(t+1)
+        "fuse_rounds": bool(cfg.fuse_rounds),
         "exit_codes": codes,
         "ok": all(c == 0 for c in codes.values()) and not killed,
         "terminated": killed,

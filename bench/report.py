@@ -703,9 +703,11 @@ def wan_analysis(
     mbit: float,
 ) -> dict[str, Any]:
     """Where the time goes behind the emulated WAN. split-NN makes two calls per batch
-    (forward, backward); each call goes active -> aggregator -> parties -> aggregator -> active,
-    four one-way trips = 2 RTT, so 4 RTT per batch are exposed. On top of that, the bytes on
-    the critical path are serialised at the line rate."""
+    (forward, backward); each exchange goes active -> aggregator -> parties -> aggregator ->
+    active, four one-way trips = 2 RTT. Unfused that is 2 exchanges (4 RTT) per batch; with
+    `[network] fuse_rounds` (runs recorded with "fuse_rounds": true) the backward rides with the
+    next forward: 1 exchange (2 RTT). On top of that, the bytes on the critical path are
+    serialised at the line rate."""
     rtt = float(point["rtt_ms"])
     n_batches = math.ceil(point["n_train"] / point["batch_size"])
     loop = base["median_epoch_seconds"]
@@ -734,10 +736,13 @@ def wan_analysis(
         for r in runs
         if r.get("ok") and r["rtt_ms"] == rtt and "mean_lateness_ms" in (r.get("proxy") or {})
     ]
-    model_per_batch_ms = 4 * rtt + serial_ms
+    fused = bool(point.get("fuse_rounds")) or any(
+        r.get("fuse_rounds") for r in runs if r.get("rtt_ms") == point["rtt_ms"]
+    )
+    model_per_batch_ms = (2 if fused else 4) * rtt + serial_ms
     t_batch_ms = loop / n_batches * 1000
     depths = {}
-    for name, k in (("today (4 RTT/batch)", 4), ("fused backward+next forward (2 RTT)", 2)):
+    for name, k in (("unfused (4 RTT/batch)", 4), ("fused backward+next forward (2 RTT)", 2)):
         need = (k * rtt + serial_ms) / (0.5 * t_batch_ms)  # d + 1 batches in flight
         depths[name] = max(0, math.ceil(need) - 1)
     depths["fused + aggregator in the active party's process (1 RTT, mask only)"] = max(
@@ -747,6 +752,7 @@ def wan_analysis(
         "aggregation": point["aggregation"],
         "rtt_ms": rtt,
         "mbit": mbit,
+        "fused": fused,
         "loopback_epoch_s": loop,
         "wan_epoch_s": point["median_epoch_seconds"],
         "ratio": point["median_epoch_seconds"] / loop,
@@ -1208,7 +1214,7 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                     "added ms / batch",
                     "= RTTs / batch",
                     "calls / batch",
-                    "model: 4 RTT + serialisation (ms)",
+                    "model: RTTs + serialisation (ms)",
                     "proxy's own delay × 8 hops (ms)",
                     "floor (mask, 10 ms)",
                 ],
@@ -1253,8 +1259,15 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 + ").",
                 "",
                 "Where the time goes: split-NN makes two calls per batch (forward, then "
-                "backward), and every call goes active → aggregator → parties → aggregator → "
-                "active, four one-way trips, i.e. 2 RTT; so each batch waits 4 RTT, plus "
+                "backward), and every exchange goes active → aggregator → parties → aggregator "
+                "→ active, four one-way trips, i.e. 2 RTT; "
+                + (
+                    "with `[network] fuse_rounds` (on in these runs) the backward of batch t "
+                    "rides in the envelope of batch t+1's forward, so each batch waits 2 RTT"
+                    if w10.get("fused")
+                    else "unfused, each batch waits 4 RTT"
+                )
+                + ", plus "
                 f"the critical path's bytes at the line rate "
                 f"({_fmt(_kib(w10['critical_bytes_per_batch']), 1)} KiB per batch, "
                 f"{w10['serialisation_ms_per_batch']:.1f} ms at {c.get('mbit'):g} Mbit/s). "
@@ -1264,28 +1277,30 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 f"added time is {w10['added_ms_per_batch']:.0f} ms per batch "
                 f"({_fmt(w10['added_rtts_per_batch'], 1)} RTT). The rest is the emulator "
                 "and the machine: the proxy (a Python thread of the benchmark process, "
-                "sharing the loaded cores) forwarded each chunk on average "
-                f"{_fmt(w10.get('proxy_mean_lateness_ms'), 1)} ms after its due time, and a "
-                "batch crosses it 8 times (4 one-way trips per call, 2 calls).",
+                "sharing the cores) forwarded each chunk on average "
+                f"{_fmt(w10.get('proxy_mean_lateness_ms'), 1)} ms after its due time, and "
+                "every exchange crosses it 4 times. (`calls / batch` counts rounds: a fused "
+                "envelope carries two.)",
                 "",
-                "Latency hiding is not implemented (a gap). To stay within 1.5× the "
+                "Pipelining is not implemented (a gap). To stay within 1.5× the "
                 "exposed latency per batch must fall below half a loopback batch. With "
-                "d batches in flight (pipelining: the next batches' forwards while the "
-                "previous backward is on the wire, gradients d steps stale, equivalent at "
-                "d = 0) the exposed latency is about L/(d + 1), which needs:",
+                "d batches in flight (the next batches' forwards while the previous backward "
+                "is on the wire, gradients d steps stale, equivalent at d = 0) the exposed "
+                "latency is about L/(d + 1), which needs:",
                 "",
                 md_table(
                     ["protocol", "pipeline depth d needed at 10 ms"],
                     [[k, d] for k, d in w10["pipeline_depth_for_1_5x"].items()],
                 ),
                 "",
-                "Message batching per round (the backward of batch t and the forward of "
-                "batch t+1 in one call, one envelope per party; a party applies batch t's "
-                "gradient before it computes batch t+1's forward, so nothing is stale) halves "
-                "the round trips; running the aggregator inside the active party's process "
-                "(allowed for mask by the design; `[network] aggregator_in_active` is accepted "
-                "by the config but the launcher still starts a separate aggregator) halves "
-                "them again. Neither is implemented.",
+                "Message batching per round (`[network] fuse_rounds`, on by default: the "
+                "backward of batch t and the forward of batch t+1 in one envelope; a party "
+                "applies batch t's gradient before it computes batch t+1's forward, so nothing "
+                "is stale and results are bit-identical) halves the round trips of split-NN. "
+                "Running the aggregator inside the active party's process (allowed for mask by "
+                "the design; `[network] aggregator_in_active` is accepted by the config but the "
+                "launcher still starts a separate aggregator) would halve them again; it is "
+                "not implemented.",
                 "",
             ]
         if "wan.png" in made:
