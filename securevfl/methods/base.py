@@ -321,6 +321,9 @@ class MethodSpec:
     secure_defaults: tuple[tuple[str, float], ...] = ()
     dp_sgd: tuple[str, ...] = ()
     tolerates_dropout: bool = False
+    # a party that misses a round's deadline (alive, slow) misses that round only and stays in
+    # the run (`securevfl.roles.rounds.readmits_late`; needs `tolerates_dropout`)
+    readmits_late: bool = False
     # trains on training rows without a label too (with [missing] labeled; otherwise the
     # active party leaves them out of `fit`)
     uses_unlabeled: bool = False

@@ -665,4 +665,4 @@ def readmits_late(cfg: RunConfig) -> bool:
     misses that round only and is called again in the next (TabVFL serves it from its failure
     cache meanwhile). A spec declares it with ``readmits_late = True`` next to
     `tolerates_dropout`; the others drop such a party (or stop, if they tolerate no dropout)."""
-    return bool(getattr(method_spec(cfg.method), "readmits_late", False))
+    return method_spec(cfg.method).readmits_late

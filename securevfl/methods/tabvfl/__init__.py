@@ -239,12 +239,9 @@ def check_tabnet(cfg: Any, opts: TabNetOptions) -> None:
 @dataclass(frozen=True)
 class ClearReleaseSpec(MethodSpec):
     """A method that releases per-guest values in the clear: refuses secure aggregation with
-    the reason and the alternative before the generic checks. `readmits_late`: a guest that
-    misses a round's deadline (alive, slow) misses that round only and stays in the run
-    (`securevfl.roles.rounds.readmits_late`; needs `tolerates_dropout`)."""
+    the reason and the alternative before the generic checks."""
 
     refusal: str = ""
-    readmits_late: bool = False
 
     def validate_config(self, cfg: Any) -> None:
         if cfg.aggregation != "plain":
