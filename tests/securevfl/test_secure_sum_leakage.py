@@ -14,7 +14,7 @@ from tests.securevfl.conftest import make_config
 
 def _capture(monkeypatch, aggregation: str, raw, d):
     raw["run"]["aggregation"] = aggregation
-    raw["train"]["epochs"] = 1
+    raw["train"]["epochs"] = 3
     received: list[np.ndarray] = []  # what reached the aggregator from party "alpha"
     truth: list[np.ndarray] = []  # alpha's true representations, in the same order
     stage = {"plain": secure_sum.PlainAggregator, "mask": secure_sum.MaskAggregator}[aggregation]
@@ -58,10 +58,15 @@ def test_masked_contributions_carry_no_information(monkeypatch, small_federation
     seen, truth = _capture(monkeypatch, "mask", raw, d)
     assert seen.dtype == np.uint64
     guess = _as_signed_fixed_point(seen)
-    assert abs(np.corrcoef(guess, truth)[0, 1]) < 0.05
+    # masks are fresh random keys each run: under independence a sample correlation has standard
+    # deviation ~1/sqrt(n), so the bound is 5 sigma (the plain path above reaches > 0.999)
+    n = len(seen)
+    assert n >= 1000
+    corr_bound = 5.0 / np.sqrt(n)
+    assert abs(np.corrcoef(guess, truth)[0, 1]) < corr_bound
     # rank correlation too (robust to the huge magnitudes)
     rank = lambda a: np.argsort(np.argsort(a))  # noqa: E731
-    assert abs(np.corrcoef(rank(guess), rank(truth))[0, 1]) < 0.05
+    assert abs(np.corrcoef(rank(guess), rank(truth))[0, 1]) < corr_bound
     # every bit of the masked words is balanced, and high bits do not follow the sign bit
     tol = 5 * 0.5 / np.sqrt(len(seen))  # 5 sigma per bit
     assert np.all(np.abs(_bits(seen).mean(axis=0) - 0.5) < tol)
