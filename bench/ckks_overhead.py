@@ -1,13 +1,18 @@
 """CKKS against plain on Credit (split-NN, 4 parties x 5 columns, batch 256, width 16), side by side
-in one run: plain, ckks with the parameters a run sizes from the default value bound
-([secure] bound = 2^20) and ckks with ``[secure] ckks.magnitude`` declared (default 1024),
-interleaved per repeat, each a real multi-process federation over loopback ZeroMQ + CURVE
-(`bench/fedbench.py`). Records per run: epoch times, bytes sent per party per epoch, CPU
-seconds per role (wait4), the CKKS parameters each run chose and their security level, and the
-ratios to plain (epoch median and bytes), with the load average before each run.
+in one run: plain; ``ckks-before``, the CKKS sum as it was before the raw wire format (SEAL's
+zstd serialisation through a tmpfs file per ciphertext, encryptions of zero started at once);
+``ckks``, today's defaults, with the parameters a run sizes from the default value bound
+([secure] bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024).
+``--ablation`` adds ``ckks-raw-nodelay`` (raw wire, zeros started at once) to split the gain.
+Variants are interleaved per repeat, each a real multi-process federation over loopback
+ZeroMQ + CURVE (`bench/fedbench.py`); the before/after switches are the environment variables
+``SECUREVFL_CKKS_WIRE`` and ``SECUREVFL_CKKS_PREP_DELAY``, which the role processes inherit.
+Records per run: epoch times, bytes sent per party per epoch, CPU seconds per role (wait4),
+the CKKS parameters each run chose and their security level, and the ratios to plain (epoch
+median and bytes), with the load average before each run.
 
-    nice -n 5 python bench/ckks_overhead.py --epochs 2 --repeats 2 \\
-        --out bench/results/ckks_overhead.json
+    nice -n 5 python bench/ckks_overhead.py --epochs 2 --repeats 2 --ablation \\
+        --out bench/results/ckks_overhead_2.json
 """
 
 from __future__ import annotations
@@ -26,18 +31,150 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fedbench as F  # noqa: E402
 
-from crypto.ckks import choose_params, security_level  # noqa: E402
+from crypto.ckks import (  # noqa: E402
+    WIRE_ENV,
+    WIRE_RAW,
+    WIRE_SEAL,
+    choose_params,
+    security_level,
+)
+
+PREP_DELAY_ENV = "SECUREVFL_CKKS_PREP_DELAY"  # read by securevfl.secure_sum
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def variants(magnitude: float) -> dict[str, tuple[str, dict[str, Any]]]:
-    """label -> (aggregation, extra [secure] keys)."""
-    return {
-        "plain": ("plain", {}),
-        "ckks": ("ckks", {}),
-        f"ckks-m{magnitude:g}": ("ckks", {"ckks.magnitude": magnitude}),
+def variants(
+    magnitude: float, *, ablation: bool = False
+) -> dict[str, tuple[str, dict[str, Any], dict[str, str]]]:
+    """label -> (aggregation, extra [secure] keys, environment of the role processes)."""
+    out: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
+        "plain": ("plain", {}, {}),
+        "ckks-before": ("ckks", {}, {WIRE_ENV: WIRE_SEAL, PREP_DELAY_ENV: "0"}),
     }
+    if ablation:
+        out["ckks-raw-nodelay"] = ("ckks", {}, {WIRE_ENV: WIRE_RAW, PREP_DELAY_ENV: "0"})
+    out["ckks"] = ("ckks", {}, {})
+    out[f"ckks-m{magnitude:g}"] = ("ckks", {"ckks.magnitude": magnitude}, {})
+    return out
+
+
+def run_with_env(env: dict[str, str], fn: Any, *args: Any) -> Any:
+    """fn(*args) with `env` set (and the switches of the other variants unset) in this
+    process's environment, which fedbench hands to every role it starts."""
+    saved = {k: os.environ.get(k) for k in (WIRE_ENV, PREP_DELAY_ENV, *env)}
+    for k in (WIRE_ENV, PREP_DELAY_ENV):
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -> dict[str, Any]:
+    """In-process CPU time of every CKKS step of one Credit batch (256 x 16 = 4096 values), for
+    each parameter set a run chooses and each wire format: best of `rounds`, milliseconds,
+    per step and role (time.process_time of this single-threaded process)."""
+    import numpy as np
+    import tenseal.sealapi as sealapi
+
+    from crypto.ckks import CkksKeyHolder, CkksPublic, DecryptionRelease, PackedCiphertexts
+
+    def best(fn: Any, setup: Any = None) -> tuple[float, Any]:
+        times, out = [], None
+        for _ in range(rounds):
+            if setup is not None:
+                setup()
+            t = time.process_time()
+            out = fn()
+            times.append(time.process_time() - t)
+        return round(1e3 * min(times), 3), out
+
+    result: dict[str, Any] = {}
+    release = DecryptionRelease(precision_bits=12, flood_bits=10)
+    for magnitude in (2.0**20, 1024.0):
+        params = choose_params(precision_bits=12, magnitude=magnitude, terms=parties + 1).params
+        holder = CkksKeyHolder(params=params)
+        x = np.random.default_rng(0).normal(size=values)
+        for wire in (WIRE_SEAL, WIRE_RAW):
+            pub = CkksPublic(context_bytes=holder.public_context_bytes(), wire=wire)
+            codec = pub._codec
+            steps: dict[str, float] = {}
+            steps["party: encryption of zero (off the critical path)"], zero = best(
+                lambda: codec.zero(pub._encryptor)  # noqa: B023
+            )
+            steps["party: encode"], plain = best(lambda: codec.encode(x))  # noqa: B023
+            steps["party: add plaintext to a zero"], _ = best(
+                lambda: codec.evaluator.add_plain_inplace(zero, plain)  # noqa: B023
+            )
+            steps["party: serialise"], chunk = best(lambda: codec.dump(zero, values))  # noqa: B023
+            steps["aggregator: deserialise one"], (ct, _) = best(
+                lambda: codec.load(chunk, expected_len=values, what="c")  # noqa: B023
+            )
+            other, _ = codec.load(chunk, expected_len=values, what="c")
+            steps["aggregator: add one"], _ = best(
+                lambda: codec.evaluator.add_inplace(ct, other)  # noqa: B023
+            )
+            steps["aggregator: serialise the sum"], total = best(
+                lambda: codec.dump(ct, values)  # noqa: B023
+            )
+            hc = holder._codec
+            steps["active: deserialise"], (summed, _) = best(
+                lambda: hc.load(total, expected_len=values, what="s")  # noqa: B023
+            )
+            pt = sealapi.Plaintext()
+            steps["active: decrypt"], _ = best(
+                lambda: holder._decryptor.decrypt(summed, pt)  # noqa: B023
+            )
+            steps["active: decode"], decoded = best(lambda: hc.decode(pt, values))  # noqa: B023
+            steps["active: flood and round"], _ = best(
+                lambda: release.apply(decoded, params, terms=parties + 1)  # noqa: B023
+            )
+            packed = PackedCiphertexts(chunks=[total], length=values)
+            steps["active: decrypt_sum (all of it)"], _ = best(
+                lambda: holder.decrypt_sum(  # noqa: B023
+                    packed,  # noqa: B023
+                    shape=(values,),
+                    release=release,
+                    terms=parties + 1,
+                )
+            )
+            critical = (
+                steps["party: encode"]
+                + steps["party: add plaintext to a zero"]
+                + steps["party: serialise"]
+                + parties * steps["aggregator: deserialise one"]
+                + (parties - 1) * steps["aggregator: add one"]
+                + steps["aggregator: serialise the sum"]
+                + steps["active: decrypt_sum (all of it)"]
+            )
+            key = f"{'-'.join(map(str, params.coeff_mod_bit_sizes))} {wire}"
+            result[key] = {
+                "params": list(params.coeff_mod_bit_sizes),
+                "wire": pub.wire_format,
+                "chunk_bytes": len(chunk),
+                "ms": steps,
+                "ms_sum_of_crypto_steps_one_party_chain": round(critical, 3),
+                "ms_cpu_all_roles": round(
+                    parties
+                    * (
+                        steps["party: encryption of zero (off the critical path)"]
+                        + steps["party: encode"]
+                        + steps["party: serialise"]
+                    )
+                    + parties * steps["aggregator: deserialise one"]
+                    + (parties - 1) * steps["aggregator: add one"]
+                    + steps["aggregator: serialise the sum"]
+                    + steps["active: decrypt_sum (all of it)"],
+                    3,
+                ),
+            }
+    return result
 
 
 def chosen(secure: dict[str, Any], parties: int) -> dict[str, Any]:
@@ -54,18 +191,30 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--magnitude", type=float, default=1024.0)
+    ap.add_argument("--ablation", action="store_true", help="add ckks-raw-nodelay")
     args = ap.parse_args()
     ds = F.credit(args.data, parties=4)
+    breakdown = per_batch_breakdown(parties=len(ds.parties))
+    for key, b in breakdown.items():
+        print(
+            f"{key}: {b['chunk_bytes']} bytes a chunk, crypto on one party's chain "
+            f"{b['ms_sum_of_crypto_steps_one_party_chain']} ms, all roles "
+            f"{b['ms_cpu_all_roles']} ms CPU a batch",
+            flush=True,
+        )
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="ckks-overhead-") as tmp:
         prep = F.prepare(ds, Path(tmp))
         for rep in range(args.repeats):
-            for label, (aggregation, secure) in variants(args.magnitude).items():
+            for label, (aggregation, secure, env) in variants(
+                args.magnitude, ablation=args.ablation
+            ).items():
                 raw = F.config_raw(ds, aggregation=aggregation, epochs=args.epochs)
                 if secure:
                     raw["secure"] = dict(secure)
                 print(f"{label} (repeat {rep + 1}/{args.repeats}) ...", flush=True)
-                r = F.run_federation(prep, raw, Path(tmp) / f"r{rep}-{label}")
+                r = run_with_env(env, F.run_federation, prep, raw, Path(tmp) / f"r{rep}-{label}")
+                r["env"] = env
                 if not r.get("ok"):
                     raise SystemExit(f"{label} failed: {r.get('error', r.get('exit_codes'))}")
                 r["cpu_seconds_all_roles"] = round(sum(r["cpu_seconds"].values()), 2)
@@ -106,6 +255,7 @@ def main() -> None:
         "epochs": args.epochs,
         "repeats": args.repeats,
         "floors": {"epoch_ratio": 1.5, "bytes_ratio": 10.0},
+        "per_batch_ms": breakdown,
         "summary": summary,
         "runs": runs,
     }
@@ -113,7 +263,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for label, s in summary.items():
         print(
-            f"{label:>12}: epoch {s['median_epoch_seconds']:.2f} s ({s['epoch_ratio']:.2f}x), "
+            f"{label:>16}: epoch {s['median_epoch_seconds']:.2f} s ({s['epoch_ratio']:.2f}x), "
             f"{s['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch "
             f"({s['bytes_ratio']:.2f}x), +{s['extra_cpu_seconds_per_epoch']:.2f} CPU s/epoch"
         )

@@ -52,13 +52,17 @@ Packing and speed. Two real values share each complex CKKS slot, so a ciphertext
 carries N values (TenSEAL's real-only vectors carry N/2 for the same bytes and time); every
 chunk is full but an array's last. The module drives SEAL through TenSEAL's ``sealapi``
 binding (TenSEAL itself only creates and serialises the context). SEAL holds the GIL in
-encryption, decryption, serialisation and loading (measured by ``bench/ckks_params.py``: a
-pure-Python thread beside them runs no faster than beside a GIL-holding loop), so a thread
-pool cannot encrypt chunks in parallel; instead :meth:`CkksPublic.prepare_zeros` precomputes
-encryptions of zero off the critical path, and :meth:`CkksPublic.encrypt` then only encodes
-and adds each chunk into one (SEAL's encryption is exactly an encryption of zero plus the
-plaintext, so the result is a fresh encryption). Each encryption of zero is used once. A chunk
-travels as a 4-byte value count and SEAL's serialisation of the ciphertext, unchanged.
+encryption, decryption, encoding and adding (the binding never releases it), so a thread pool
+cannot encrypt chunks in parallel; instead :meth:`CkksPublic.prepare_zeros` precomputes
+encryptions of zero off the critical path (a caller's worker thread, while the caller waits
+on the network), and :meth:`CkksPublic.encrypt` then only encodes and adds each chunk into
+one (SEAL's encryption is exactly an encryption of zero plus the plaintext, so the result is
+a fresh encryption). Each encryption of zero is used once. A chunk travels as a 4-byte value
+count and the ciphertext's coefficients copied out of SEAL's memory in as many bytes as each
+prime needs (the ``raw`` format: no file, no compression; within 1% of the size of SEAL's
+zstd serialisation at the default Credit parameters and 7% smaller with one 56-bit prime,
+written in about a ninth and read in under half of SEAL's CPU time, measured by
+``bench/ckks_overhead.py``), or SEAL's own serialisation (``seal``); see ``_CkksCodec``.
 
 Decryptions that leave the key holder. CKKS is approximate: a decryption is the message plus
 an error that depends on the secret key, and an adversary who sees exact decryptions of
@@ -79,6 +83,7 @@ This module uses TenSEAL and NumPy only; it knows nothing of ML or of the transp
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import os
@@ -99,6 +104,9 @@ __all__ = [
     "MAX_COEFF_MODULUS_BITS",
     "MAX_COEFF_MODULUS_BITS_128",
     "MAX_PREPARED_ZEROS",
+    "WIRE_ENV",
+    "WIRE_RAW",
+    "WIRE_SEAL",
     "CkksError",
     "CkksSizing",
     "DecryptionRelease",
@@ -129,6 +137,13 @@ MAX_COEFF_MODULUS_BITS: dict[int, dict[int, int]] = {
     192: {1024: 19, 2048: 37, 4096: 75, 8192: 152, 16384: 305, 32768: 611},
     256: {1024: 14, 2048: 29, 4096: 58, 8192: 118, 16384: 237, 32768: 476},
 }
+
+#: Wire formats of a ciphertext chunk (see ``_CkksCodec``): coefficients copied out of SEAL's
+#: memory in as many bytes as each prime needs (default), or SEAL's own serialisation.
+WIRE_RAW = "raw"
+WIRE_SEAL = "seal"
+#: Environment variable that picks the format a process writes (benchmarks compare the two).
+WIRE_ENV = "SECUREVFL_CKKS_WIRE"
 
 #: The most encryptions of zero one CkksPublic keeps ready (each is one ciphertext).
 MAX_PREPARED_ZEROS = 4096
@@ -488,25 +503,71 @@ class _CkksCodec:
     the imaginary part), so a ciphertext of degree N carries N values, twice what TenSEAL's
     real-only vectors carry, for the same bytes and nearly the same encryption time. A chunk on
     the wire is a 4-byte little-endian value count (the sender's claim, checked against the
-    other contributors and the key holder's shape) followed by SEAL's own serialisation of
-    the ciphertext (zstd-compressed by SEAL, which drops the unused high bits of each 64-bit
-    coefficient word). SEAL's Python binding saves and loads ciphertexts through file paths
-    only, so each codec keeps a private directory (mode 0700) on tmpfs (``/dev/shm`` where
-    present) as its scratch space: one ciphertext at a time, removed right after the save or
-    load, never a key; the directory goes with the codec.
+    other contributors and the key holder's shape) followed by the ciphertext in one of two
+    formats, told apart by their first bytes:
+
+    - ``raw`` (:data:`WIRE_RAW`, the default): the magic ``CKR1``, the ciphertext's 32-byte
+      ``parms_id``, then its coefficients copied straight out of SEAL's memory, each prime's in
+      just enough little-endian bytes for that prime (5 bytes for a 34-bit prime), the two
+      polynomials one after the other. No file, no compression: a copy in each direction.
+      Loading checks the length, the parms_id and that every coefficient is below its prime
+      (what SEAL's own loader checks), and copies the coefficients into a ciphertext SEAL made.
+      SEAL's Python binding offers no bytes API, so the coefficient buffer is reached through
+      the layout of the binding's objects (:class:`_CoefficientAccess`), checked against
+      SEAL's own accessors on a probe ciphertext before first use; a binding whose layout
+      differs falls back to ``seal``.
+    - ``seal`` (:data:`WIRE_SEAL`): SEAL's own serialisation (zstd-compressed by SEAL, which
+      drops the unused high bits of each 64-bit coefficient word), parsed by SEAL. The binding
+      saves and loads ciphertexts through file paths only, so this format goes through a
+      private directory (mode 0700) on tmpfs (``/dev/shm`` where present), one ciphertext at a
+      time, removed right after the save or load, never a key; the directory goes with the
+      codec.
+
+    Both formats are always accepted; ``wire`` picks what this codec writes.
     """
 
-    def __init__(self, context: ts.Context, params: CkksParams) -> None:
+    def __init__(self, context: ts.Context, params: CkksParams, *, wire: str | None) -> None:
         self._context = context
         self._params = params
         self._scale = 2.0**params.scale_bits
         self.seal = context.seal_context().data
         self._first_parms_id = self.seal.first_parms_id()
+        self._parms_id_bytes = struct.pack("<4Q", *self._first_parms_id)
         self.encoder = sealapi.CKKSEncoder(self.seal)
         self.evaluator = sealapi.Evaluator(self.seal)
-        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self._scratch = tempfile.mkdtemp(prefix="securevfl-ckks-", dir=base)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        moduli = self.seal.first_context_data().parms().coeff_modulus()
+        self._moduli = [int(m.value()) for m in moduli]
+        self._prime_bytes = [(q.bit_length() + 7) // 8 for q in self._moduli]
+        self._raw_body_bytes = (
+            len(_RAW_MAGIC) + 32 + 2 * params.poly_modulus_degree * sum(self._prime_bytes)
+        )
+        self._scratch: str | None = None  # created on the first SEAL-format save or load
+        self._finalizer: Any = None
+        self._template: Any = None  # a valid ciphertext whose metadata raw loads copy
+        self._access: _CoefficientAccess | None = None
+        self.wire = self._pick_wire(wire)
+
+    def _pick_wire(self, wire: str | None) -> str:
+        if wire is None:
+            wire = os.environ.get(WIRE_ENV) or WIRE_RAW
+        if wire not in (WIRE_RAW, WIRE_SEAL):
+            raise CkksError(
+                f"unknown CKKS wire format {wire!r} (from {WIRE_ENV} or the wire argument); "
+                f"use {WIRE_RAW!r} or {WIRE_SEAL!r}."
+            )
+        if wire == WIRE_RAW and self._raw_access() is None:
+            return WIRE_SEAL  # this binding's memory layout is not the one checked for
+        return wire
+
+    def _raw_access(self) -> _CoefficientAccess | None:
+        """The checked accessor of coefficient buffers, or None where the check failed."""
+        if self._access is None and self._template is None:
+            encryptor = sealapi.Encryptor(self.seal, self._context.public_key().data)
+            self._template = self.zero(encryptor)
+            self._access = _CoefficientAccess.probe(
+                self._template, degree=self._params.poly_modulus_degree, primes=len(self._moduli)
+            )
+        return self._access
 
     @property
     def params(self) -> CkksParams:
@@ -520,6 +581,12 @@ class _CkksCodec:
 
     def _path(self) -> str:
         # one file per thread: the party's worker thread and its main thread never share one
+        if self._scratch is None:
+            base = (
+                "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            )
+            self._scratch = tempfile.mkdtemp(prefix="securevfl-ckks-", dir=base)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._scratch, True)
         return os.path.join(self._scratch, f"{threading.get_ident()}.ct")
 
     def encode(self, values: np.ndarray) -> Any:
@@ -546,7 +613,9 @@ class _CkksCodec:
         return ct
 
     def dump(self, ct: Any, count: int) -> bytes:
-        """The chunk bytes of a ciphertext carrying ``count`` values."""
+        """The chunk bytes of a ciphertext carrying ``count`` values, in this codec's format."""
+        if self.wire == WIRE_RAW:
+            return self._dump_raw(ct, count)
         path = self._path()
         try:
             ct.save(path)
@@ -554,6 +623,49 @@ class _CkksCodec:
                 return _COUNT.pack(count) + f.read()
         finally:
             _unlink_quietly(path)
+
+    def _dump_raw(self, ct: Any, count: int) -> bytes:
+        assert self._access is not None
+        coeffs = self._access.view(ct)  # (2 polynomials, primes, degree) uint64, SEAL's memory
+        parts = [_COUNT.pack(count), _RAW_MAGIC, self._parms_id_bytes]
+        n = self._params.poly_modulus_degree
+        for i, width in enumerate(self._prime_bytes):
+            words = np.ascontiguousarray(coeffs[:, i, :])
+            parts.append(words.view(np.uint8).reshape(2, n, 8)[:, :, :width].tobytes())
+        return b"".join(parts)
+
+    def _load_raw(self, body: memoryview, *, what: str) -> Any:
+        access = self._raw_access()
+        if access is None:
+            raise CkksError(
+                f"{what} is in the raw format, which this SEAL binding cannot load (its memory "
+                f"layout is not the one checked for); ask the sender to set {WIRE_ENV}=seal."
+            )
+        if body.nbytes != self._raw_body_bytes or bytes(body[4:36]) != self._parms_id_bytes:
+            raise CkksError(
+                f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
+                f"or made with other parameters): a raw ciphertext of {body.nbytes} bytes or "
+                "another parms_id."
+            )
+        ct = sealapi.Ciphertext(self.seal)
+        self.evaluator.negate(self._template, ct)  # a ciphertext with the right metadata
+        coeffs = access.view(ct)
+        n = self._params.poly_modulus_degree
+        offset = len(_RAW_MAGIC) + 32
+        for i, (width, q) in enumerate(zip(self._prime_bytes, self._moduli, strict=True)):
+            words = np.zeros((2, n, 8), dtype=np.uint8)
+            size = 2 * n * width
+            words[:, :, :width] = np.frombuffer(body, np.uint8, size, offset).reshape(2, n, width)
+            offset += size
+            values = words.view(np.uint64).reshape(2, n)
+            if int(values.max()) >= q:
+                raise CkksError(
+                    f"{what} is not a valid CKKS ciphertext for this context (truncated, "
+                    "corrupted or made with other parameters): a coefficient is not below its "
+                    "prime."
+                )
+            coeffs[:, i, :] = values
+        return ct
 
     def check_layout(self, packed: PackedCiphertexts, *, what: str) -> None:
         if not isinstance(packed, PackedCiphertexts):
@@ -586,19 +698,11 @@ class _CkksCodec:
                 f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
                 f"or made with other parameters): {view.nbytes} bytes."
             )
-        path = self._path()
-        with open(path, "wb") as f:
-            f.write(view[_COUNT.size :])
-        ct = sealapi.Ciphertext(self.seal)
-        try:
-            ct.load(self.seal, path)  # SEAL checks the header, sizes and every coefficient < q
-        except Exception as exc:  # SEAL raises ValueError, RuntimeError, IOError...
-            raise CkksError(
-                f"{what} is not a valid CKKS ciphertext for this context "
-                f"(truncated, corrupted or made with other parameters): {exc}."
-            ) from exc
-        finally:
-            _unlink_quietly(path)
+        body = view[_COUNT.size :]
+        if bytes(body[: len(_RAW_MAGIC)]) == _RAW_MAGIC:
+            ct = self._load_raw(body, what=what)
+        else:
+            ct = self._load_seal(body, what=what)
         if ct.size() != 2:
             raise CkksError(
                 f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
@@ -617,6 +721,22 @@ class _CkksCodec:
             raise CkksError(f"{what} carries {size} values; {expected_len} were expected.")
         return ct, size
 
+    def _load_seal(self, body: memoryview, *, what: str) -> Any:
+        path = self._path()
+        with open(path, "wb") as f:
+            f.write(body)
+        ct = sealapi.Ciphertext(self.seal)
+        try:
+            ct.load(self.seal, path)  # SEAL checks the header, sizes and every coefficient < q
+        except Exception as exc:  # SEAL raises ValueError, RuntimeError, IOError...
+            raise CkksError(
+                f"{what} is not a valid CKKS ciphertext for this context "
+                f"(truncated, corrupted or made with other parameters): {exc}."
+            ) from exc
+        finally:
+            _unlink_quietly(path)
+        return ct
+
     def load_all(self, packed: PackedCiphertexts, *, what: str) -> list[Any]:
         self.check_layout(packed, what=what)
         return [
@@ -630,6 +750,84 @@ class _CkksCodec:
 
 
 _COUNT = struct.Struct("<I")
+_RAW_MAGIC = b"CKR1"  # SEAL's own serialisation starts with 0x5E 0xA1, never with this
+
+
+class _CoefficientAccess:
+    """A NumPy view of a SEAL ciphertext's coefficient buffer, found through the memory layout
+    of the pybind11 object (the C++ pointer right after the Python object header) and of
+    ``seal::Ciphertext`` (SEAL 4.x: parms_id, is_ntt_form, size, degree, prime count, scale,
+    correction factor, then a DynArray whose data pointer follows its pool, capacity and size).
+
+    :meth:`probe` checks every field of that layout against SEAL's own accessors on a real
+    ciphertext, and a sample of the coefficients against ``dyn_array().at``, before the codec
+    relies on it; :meth:`view` re-checks size, degree, prime count and buffer size on every
+    call, so a view never covers memory that is not the ciphertext's coefficients.
+    """
+
+    _WORDS = 15  # the Ciphertext fields read, in 64-bit words
+
+    def __init__(self, *, degree: int, primes: int) -> None:
+        self._degree = degree
+        self._primes = primes
+
+    @staticmethod
+    def _words(ct: Any) -> Any:
+        base = ctypes.c_void_p.from_address(id(ct) + _PYBIND_VALUE_OFFSET).value
+        if not base or base % 8:
+            raise RuntimeError("no aligned C++ object pointer where pybind11 keeps it")
+        return (ctypes.c_uint64 * _CoefficientAccess._WORDS).from_address(base)
+
+    @classmethod
+    def probe(cls, ct: Any, *, degree: int, primes: int) -> _CoefficientAccess | None:
+        """The accessor if ``ct`` (a fresh encryption) shows the expected layout, else None."""
+        try:
+            if type(ct).__basicsize__ < _PYBIND_VALUE_OFFSET + 8:
+                return None
+            w = cls._words(ct)
+            size = int(ct.size())
+            expected = {
+                **{i: v for i, v in enumerate(ct.parms_id())},
+                5: size,
+                6: degree,
+                7: primes,
+                8: struct.unpack("<Q", struct.pack("<d", ct.scale))[0],
+                13: size * primes * degree,
+            }
+            if any(int(w[i]) != int(v) for i, v in expected.items()):
+                return None
+            if (int(w[4]) & 0xFF) != int(ct.is_ntt_form()) or int(w[12]) < int(w[13]):
+                return None
+            access = cls(degree=degree, primes=primes)
+            flat = access.view(ct).reshape(-1)
+            dyn = ct.dyn_array()
+            n = flat.size
+            sample = sorted({0, 1, degree - 1, degree, n // 2, n - 2, n - 1})
+            if any(int(flat[i]) != int(dyn.at(i)) for i in sample):
+                return None
+            return access
+        except Exception:  # any surprise in the layout means: do not use it
+            return None
+
+    def view(self, ct: Any) -> np.ndarray:
+        """The coefficients of ``ct`` as a writable (size, primes, degree) uint64 view."""
+        w = self._words(ct)
+        size = int(w[5])
+        if (
+            size != ct.size()
+            or w[6] != self._degree
+            or w[7] != self._primes
+            or w[13] != size * self._primes * self._degree
+            or not w[14]
+        ):
+            raise RuntimeError("a SEAL ciphertext does not have the layout the codec checked")
+        count = int(w[13])
+        buffer = (ctypes.c_uint64 * count).from_address(int(w[14]))
+        return np.ctypeslib.as_array(buffer).reshape(size, self._primes, self._degree)
+
+
+# pybind11's instance: PyObject header (refcount, type), then the pointer to the C++ value
+_PYBIND_VALUE_OFFSET = 16
 
 
 def _unlink_quietly(path: str) -> None:
@@ -701,7 +899,8 @@ class CkksKeyHolder:
     """
 
     def __init__(self, *, params: CkksParams = DEFAULT_CKKS_PARAMS) -> None:
-        """Create a CKKS context for ``params``; refuses invalid or sub-128-bit parameters."""
+        """Create a CKKS context for ``params``; refuses invalid or sub-128-bit parameters.
+        Reads chunks in either wire format (it writes none)."""
         if not isinstance(params, CkksParams):
             raise TypeError(f"params must be CkksParams, got {type(params).__name__}.")
         params.validate()
@@ -715,7 +914,7 @@ class CkksKeyHolder:
             raise CkksError(f"SEAL refused the parameters {params}: {exc}.") from exc
         context.global_scale = 2.0**params.scale_bits
         self._context = context
-        self._codec = _CkksCodec(context, params)
+        self._codec = _CkksCodec(context, params, wire=None)
         self._decryptor = sealapi.Decryptor(self._codec.seal, context.secret_key().data)
         self._public_bytes = context.serialize(
             save_public_key=True,
@@ -790,8 +989,13 @@ class CkksPublic:
     key, is not CKKS, or has parameters below 128-bit security. Cannot decrypt.
     """
 
-    def __init__(self, *, context_bytes: bytes) -> None:
-        """Load the key holder's exported public context (see class docstring for refusals)."""
+    def __init__(self, *, context_bytes: bytes, wire: str | None = None) -> None:
+        """Load the key holder's exported public context (see class docstring for refusals).
+
+        ``wire``: the format this side writes, :data:`WIRE_RAW` or :data:`WIRE_SEAL`; None
+        takes ``$SECUREVFL_CKKS_WIRE``, else raw (seal where this binding's layout cannot be
+        read: see :attr:`wire_format`). Chunks in either format are always accepted.
+        """
         if not isinstance(context_bytes, bytes | bytearray | memoryview):
             raise CkksError(
                 f"context_bytes is a {type(context_bytes).__name__}, not bytes; pass what "
@@ -815,7 +1019,7 @@ class CkksPublic:
         except ValueError as exc:
             raise CkksError(f"the received context is refused: {exc}") from exc
         self._context = context
-        self._codec = _CkksCodec(context, params)
+        self._codec = _CkksCodec(context, params, wire=wire)
         self._encryptor = sealapi.Encryptor(self._codec.seal, context.public_key().data)
         self._fingerprint = context_fingerprint(context_bytes)
         # encryptions of zero (any chunk can use any of them), each to be used once
@@ -835,6 +1039,11 @@ class CkksPublic:
     def context_fingerprint(self) -> str:
         """SHA-256 of the context bytes this object was built from."""
         return self._fingerprint
+
+    @property
+    def wire_format(self) -> str:
+        """The chunk format :meth:`encrypt` and :meth:`add` write (``raw`` or ``seal``)."""
+        return self._codec.wire
 
     def packed_from_frames(
         self, frames: Sequence[bytes | bytearray | memoryview]

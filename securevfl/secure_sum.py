@@ -13,6 +13,7 @@ passive contributors (a sum over one party *is* that party's representation).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -277,6 +278,26 @@ class MaskActive(ActiveSumStage):
 # ---------------------------------------------------------------------------------- ckks
 
 
+def _prep_delay(default: float = 0.002) -> float:
+    """How long a party's worker waits after `protect` returns before it makes the next call's
+    encryptions of zero (SEAL holds the GIL: started at once, it would delay this call's send):
+    $SECUREVFL_CKKS_PREP_DELAY seconds (benchmarks set 0 to compare), else `default`."""
+    text = os.environ.get("SECUREVFL_CKKS_PREP_DELAY", "").strip()
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 10.0:
+        raise ValueError(
+            f"SECUREVFL_CKKS_PREP_DELAY={text!r} is not a delay in seconds between 0 and 10; "
+            "unset it for the default (0.002)."
+        )
+    return value
+
+
+CKKS_PREP_DELAY_S = _prep_delay()
+
+
 def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]:
     prefix = f"{key}/"
     names = sorted((n for n in arrays if n.startswith(prefix)), key=lambda n: int(n[len(prefix) :]))
@@ -303,6 +324,7 @@ class CkksParty(PartySumStage):
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
         self._ahead: Any = None  # the encryptions of zero being made for the next call
         self._pool: Any = None
+        self._wake: Any = None  # set when the next call comes before the worker's delay ran out
 
     def protect(self, x, *, round, group, key):
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
@@ -314,19 +336,25 @@ class CkksParty(PartySumStage):
     def _prepare(self, length: int) -> None:
         """Encrypt zeros for a next call of the same length (the next batch) on a worker thread
         while this one is on the wire, so that call only encodes and adds. SEAL holds the GIL,
-        so this overlaps with waiting for the network, not with computing. Each prepared zero
-        is used once, by any chunk; at most a few calls' worth are kept ready."""
+        so this overlaps with waiting for the network, not with computing; and the worker first
+        waits `CKKS_PREP_DELAY_S` (or until the next call), so that the contribution this call
+        returns is sent before SEAL takes the GIL. Each prepared zero is used once, by any
+        chunk; at most a few calls' worth are kept ready."""
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         if self.public.ready_zeros > 4 * (-(-length // self.public.slots)):
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"{self.s.name}-ckks-zeros")
-        self._ahead = self._pool.submit(self._prepare_quietly, length)
+        self._wake = threading.Event()
+        self._ahead = self._pool.submit(self._prepare_quietly, length, self._wake)
 
-    def _prepare_quietly(self, length: int) -> None:
+    def _prepare_quietly(self, length: int, wake: Any) -> None:
         from crypto.ckks import CkksError
 
+        if CKKS_PREP_DELAY_S > 0:
+            wake.wait(CKKS_PREP_DELAY_S)  # waiting releases the GIL: the send goes first
         try:
             self.public.prepare_zeros(length)
         except CkksError:
@@ -334,6 +362,7 @@ class CkksParty(PartySumStage):
 
     def _join(self) -> None:
         if self._ahead is not None:
+            self._wake.set()  # the next call is here: prepare now rather than after the delay
             self._ahead.result()
             self._ahead = None
 

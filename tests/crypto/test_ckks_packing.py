@@ -1,6 +1,6 @@
-"""Two real values per complex CKKS slot, the chunk format on the wire (value count + SEAL's own
-ciphertext serialisation) and the scratch files SEAL's binding needs: what a ciphertext costs
-and carries, and that nothing but ciphertexts touches the disk."""
+"""Two real values per complex CKKS slot, the two chunk formats on the wire (value count, then the
+raw coefficients or SEAL's own serialisation) and the scratch files only SEAL's format needs:
+what a ciphertext costs and carries, and that nothing but ciphertexts touches the disk."""
 
 from __future__ import annotations
 
@@ -12,16 +12,28 @@ import struct
 import numpy as np
 import pytest
 
-from crypto.ckks import CkksKeyHolder, CkksParams, CkksPublic, choose_params
+from crypto.ckks import (
+    WIRE_ENV,
+    CkksError,
+    CkksKeyHolder,
+    CkksParams,
+    CkksPublic,
+    PackedCiphertexts,
+    choose_params,
+)
 
 # what a Credit run with 4 parties and [secure] ckks.magnitude = 1024 chooses (12 bits)
 CREDIT_1024 = choose_params(precision_bits=12, magnitude=1024.0, terms=5).params
 
 
+# what a Credit run with 4 parties chooses at the default bound 2^20: two data primes
+CREDIT_DEFAULT = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params
+
+
 @pytest.fixture(scope="module")
 def keys() -> tuple[CkksKeyHolder, CkksPublic]:
     holder = CkksKeyHolder(params=CREDIT_1024)
-    return holder, CkksPublic(context_bytes=holder.public_context_bytes())
+    return holder, CkksPublic(context_bytes=holder.public_context_bytes(), wire="seal")
 
 
 def test_one_ciphertext_carries_as_many_values_as_the_degree(keys) -> None:
@@ -52,7 +64,7 @@ def test_a_chunk_is_a_value_count_then_a_compressed_seal_ciphertext(keys) -> Non
 
 def test_scratch_files_hold_only_ciphertexts_in_a_private_directory(monkeypatch) -> None:
     holder = CkksKeyHolder(params=CREDIT_1024)
-    public = CkksPublic(context_bytes=holder.public_context_bytes())
+    public = CkksPublic(context_bytes=holder.public_context_bytes(), wire="seal")
     seen: list[bytes] = []  # every scratch file's first bytes, at the moment SEAL wrote it
     real_open = open
 
@@ -75,3 +87,156 @@ def test_scratch_files_hold_only_ciphertexts_in_a_private_directory(monkeypatch)
     del holder, public
     gc.collect()
     assert not any(os.path.exists(d) for d in dirs)
+
+
+# --- the raw format: coefficients copied out of SEAL's memory, no file, no compression -----------
+
+
+@pytest.fixture(scope="module")
+def default_keys() -> tuple[CkksKeyHolder, CkksPublic]:
+    holder = CkksKeyHolder(params=CREDIT_DEFAULT)
+    return holder, CkksPublic(context_bytes=holder.public_context_bytes())
+
+
+def _raw_layout(params: CkksParams) -> tuple[list[int], int]:
+    """Bytes per coefficient of each data prime, and the raw chunk's total size."""
+    widths = [(b + 7) // 8 for b in params.coeff_mod_bit_sizes[:-1]]
+    return widths, 4 + 4 + 32 + 2 * params.poly_modulus_degree * sum(widths)
+
+
+def test_raw_is_the_default_and_its_layout(default_keys) -> None:
+    _, public = default_keys
+    assert CREDIT_DEFAULT == CkksParams(4096, (34, 33, 20), 40)
+    assert public.wire_format == "raw"
+    chunk = public.encrypt(np.arange(5.0)).chunks[0]
+    widths, size = _raw_layout(CREDIT_DEFAULT)
+    assert widths == [5, 5]  # 34 and 33 bits in 5 bytes each
+    assert struct.unpack_from("<I", chunk)[0] == 5
+    assert chunk[4:8] == b"CKR1"
+    assert len(chunk) == size == 81_960  # 20 bytes per value: as small as SEAL's zstd output
+    seal = CkksPublic(context_bytes=default_keys[0].public_context_bytes(), wire="seal")
+    assert len(chunk) <= 1.02 * len(seal.encrypt(np.arange(5.0)).chunks[0])
+
+
+def test_raw_round_trip_is_byte_exact_and_sums_across_formats(default_keys) -> None:
+    holder, public = default_keys
+    seal = CkksPublic(context_bytes=holder.public_context_bytes(), wire="seal")
+    rng = np.random.default_rng(3)
+    n = 2 * public.slots + 11
+    xs = [rng.uniform(-1000, 1000, n) for _ in range(3)]
+    raw_packed = public.encrypt(xs[0])
+    # loading a raw chunk and writing it again gives the same bytes: the coefficients travel
+    # unchanged, every chunk (full or short) alike
+    again = [
+        public._codec.dump(*public._codec.load(c, expected_len=None, what="c"))
+        for c in raw_packed.chunks
+    ]
+    assert again == raw_packed.chunks
+    # raw and SEAL-format contributions add up, and the sum decrypts, whichever format carries it
+    for aggregator in (public, seal):
+        total = aggregator.add([raw_packed, seal.encrypt(xs[1]), public.encrypt(xs[2])])
+        assert total.chunks[0][4:6] == (b"CK" if aggregator is public else b"\x5e\xa1")
+        out = holder.decrypt_sum(total, shape=(n,))
+        np.testing.assert_allclose(out, np.sum(xs, axis=0), atol=1e-5)
+
+
+def test_raw_format_touches_no_file(default_keys, monkeypatch) -> None:
+    holder, _ = default_keys
+    public = CkksPublic(context_bytes=holder.public_context_bytes(), wire="raw")
+    opened: list[str] = []
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: opened.append(str(path)) or real_open(path, *a, **k)
+    )
+    total = public.add([public.encrypt(np.ones(100)), public.encrypt(np.ones(100))])
+    holder.decrypt_sum(total, shape=(100,))
+    monkeypatch.undo()
+    assert opened == []
+    assert public._codec._scratch is None  # not even the scratch directory was made
+
+
+def test_raw_coefficient_not_below_its_prime_is_refused(default_keys) -> None:
+    _, public = default_keys
+    chunk = bytearray(public.encrypt(np.ones(10)).chunks[0])
+    chunk[40:45] = b"\xff" * 5  # the first coefficient of the first prime: 2**40 - 1 > q
+    with pytest.raises(CkksError, match="not below its prime"):
+        public.add([PackedCiphertexts(chunks=[bytes(chunk)], length=10)])
+
+
+@pytest.mark.parametrize("cut", [1, 40, 1000])
+def test_raw_chunk_of_the_wrong_length_is_refused(default_keys, cut: int) -> None:
+    _, public = default_keys
+    chunk = public.encrypt(np.ones(10)).chunks[0]
+    for bad in (chunk[:-cut], chunk + b"\0" * cut):
+        with pytest.raises(CkksError, match="not a valid CKKS ciphertext"):
+            public.add([PackedCiphertexts(chunks=[bad], length=10)])
+
+
+def test_raw_chunk_from_other_parameters_of_the_same_size_is_refused(default_keys) -> None:
+    holder, public = default_keys
+    # other primes (35 and 33 bits), the same degree and byte widths: only the parms_id differs
+    other_params = CkksParams(4096, (35, 33, 20), 40)
+    assert _raw_layout(other_params)[1] == _raw_layout(CREDIT_DEFAULT)[1]
+    other = CkksPublic(context_bytes=CkksKeyHolder(params=other_params).public_context_bytes())
+    chunk = other.encrypt(np.ones(10)).chunks[0]
+    with pytest.raises(CkksError, match="made with other parameters"):
+        public.add([PackedCiphertexts(chunks=[chunk], length=10)])
+    with pytest.raises(CkksError, match="made with other parameters"):
+        holder.decrypt_sum(PackedCiphertexts(chunks=[chunk], length=10), shape=(10,))
+
+
+def test_wire_format_comes_from_the_environment_and_bad_names_are_refused(
+    default_keys, monkeypatch
+) -> None:
+    holder, _ = default_keys
+    context = holder.public_context_bytes()
+    monkeypatch.setenv(WIRE_ENV, "seal")
+    assert CkksPublic(context_bytes=context).wire_format == "seal"
+    assert CkksPublic(context_bytes=context, wire="raw").wire_format == "raw"  # argument wins
+    monkeypatch.setenv(WIRE_ENV, "zip")
+    with pytest.raises(CkksError, match=r"unknown CKKS wire format 'zip'.*use 'raw' or 'seal'"):
+        CkksPublic(context_bytes=context)
+
+
+def test_a_binding_whose_layout_fails_the_probe_falls_back_to_seal(
+    default_keys, monkeypatch
+) -> None:
+    holder, public = default_keys
+    raw_chunk = public.encrypt(np.ones(3)).chunks[0]
+    monkeypatch.setattr("crypto.ckks._CoefficientAccess.probe", classmethod(lambda *a, **k: None))
+    fallback = CkksPublic(context_bytes=holder.public_context_bytes(), wire="raw")
+    assert fallback.wire_format == "seal"
+    packed = fallback.encrypt(np.ones(3))
+    assert packed.chunks[0][4:6] == b"\x5e\xa1"
+    with pytest.raises(CkksError, match="SECUREVFL_CKKS_WIRE=seal"):
+        fallback.add([PackedCiphertexts(chunks=[raw_chunk], length=3)])
+
+
+def test_the_probe_accepts_seal_objects_only_where_every_field_matches(default_keys) -> None:
+    from crypto.ckks import _CoefficientAccess
+
+    _, public = default_keys
+    codec = public._codec
+    ct = codec.zero(public._encryptor)
+    access = _CoefficientAccess.probe(ct, degree=4096, primes=2)
+    assert access is not None
+    dyn = ct.dyn_array()
+    flat = access.view(ct).reshape(-1)
+    assert [int(flat[i]) for i in (0, 5000, 16383)] == [dyn.at(i) for i in (0, 5000, 16383)]
+    # a wrong expectation (degree or prime count) is a failed probe, never a wrong view
+    assert _CoefficientAccess.probe(ct, degree=8192, primes=2) is None
+    assert _CoefficientAccess.probe(ct, degree=4096, primes=3) is None
+    with pytest.raises(RuntimeError, match="layout"):
+        _CoefficientAccess(degree=4096, primes=3).view(ct)
+
+
+def test_raw_chunk_with_an_all_zero_second_polynomial_is_refused(default_keys) -> None:
+    # c1 = 0 would make c0 the plaintext itself: SEAL calls that transparent
+    _, public = default_keys
+    chunk = bytearray(public.encrypt(np.ones(10)).chunks[0])
+    n, offset = CREDIT_DEFAULT.poly_modulus_degree, 40
+    for width in _raw_layout(CREDIT_DEFAULT)[0]:
+        chunk[offset + n * width : offset + 2 * n * width] = bytes(n * width)
+        offset += 2 * n * width
+    with pytest.raises(CkksError, match="transparent"):
+        public.add([PackedCiphertexts(chunks=[bytes(chunk)], length=10)])
