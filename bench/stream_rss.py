@@ -10,7 +10,13 @@ each step in a child process of its own, its peak resident memory (`wait4`'s ru_
   columns; a second party holds the last one): loading it, fitting its encoding and its scaler
   on the training rows (4 sorted positions in 5; their ids spooled to a file, as a party would
   receive them), and one epoch of batches in a shuffled order (each batch's ids looked up, its
-  rows read, one-hot encoded and scaled to float32, as the party's method does).
+  rows read, one-hot encoded and scaled to float32, as the party's method does);
+* ``active``: the active party (the label and 4 numeric and 2 categorical columns of its own):
+  loading its file, the train/test split, its encoding fit, the set-up (which rows each party
+  holds: party ``a`` lacks every 7th sorted row, ``b`` every 11th, so some rows are held by
+  nobody; their answers spooled to files first, as received; the rows nobody holds dropped from
+  the training and test ids) and one epoch of batches in the shuffled order of
+  `methods.blocks.nets.batches` (each batch's labels, own rows and presence read).
 
 Streaming (the default for files over 256 MiB) at the full size, and streaming against holding
 the table in memory at a smaller size. Writes bench/results/stream_rss.json; the CSV and every
@@ -88,7 +94,10 @@ def generate(path: Path, target_bytes: int, *, seed: int = 0) -> int:
     return rows
 
 
-def config(csv: Path, root: Path, *, stream: bool, whole_table_party: bool):
+ACTIVE = NUMERIC[:4] + CATEGORICAL[:2]  # the active party's own columns (step active)
+
+
+def config(csv: Path, root: Path, *, stream: bool, whole_table_party: bool, active=False):
     from securevfl.config import parse_config
 
     parties = (
@@ -99,6 +108,11 @@ def config(csv: Path, root: Path, *, stream: bool, whole_table_party: bool):
         if whole_table_party
         else {"a": {"columns": PARTY_A}, "b": {"columns": PARTY_B}}
     )
+    if active:
+        parties = {
+            "a": {"columns": NUMERIC[4:12] + CATEGORICAL[2:4] + ["member"]},
+            "b": {"columns": NUMERIC[12:] + CATEGORICAL[4:]},
+        }
     raw = {
         "run": {"method": "laser", "aggregation": "mask", "seed": 0},
         "data": {
@@ -111,6 +125,8 @@ def config(csv: Path, root: Path, *, stream: bool, whole_table_party: bool):
         "parties": parties,
         "train": {"batch_size": 256},
     }
+    if active:
+        raw["active"] = {"columns": ACTIVE}
     return parse_config(raw, source=root / "config.toml")
 
 
@@ -186,6 +202,84 @@ def step_party(csv: Path, root: Path, stream: bool) -> dict:
     }
 
 
+def step_active(csv: Path, root: Path, stream: bool) -> dict:
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from securevfl.data.rowarrays import shuffled_batches
+    from securevfl.data.table import load_active_table
+    from securevfl.methods.blocks.nets import batches
+    from securevfl.roles.active import split_table
+    from securevfl.roles.active_round import ActiveRound
+
+    cfg = config(csv, root, stream=stream, whole_table_party=False, active=True)
+    phases, hwm = {}, {"imports": _vmhwm_mb()}  # hwm: the peak so far, after each phase
+    t = time.perf_counter()
+    table = load_active_table(csv, cfg, cache_dir=root / "cache")
+    phases["load"] = time.perf_counter() - t
+    hwm["load"] = _vmhwm_mb()
+    t = time.perf_counter()
+    train, test = split_table(table, cfg)
+    phases["split"] = time.perf_counter() - t
+    hwm["split"] = _vmhwm_mb()
+    t = time.perf_counter()
+    table.prepare(train)
+    phases["fit_encoding"] = time.perf_counter() - t
+    hwm["fit_encoding"] = _vmhwm_mb()
+    # the parties' answers to set-up, as received (spooled to files, so that the bench itself
+    # holds no array with one entry per row): a lacks every 7th sorted row, b every 11th
+    n = len(table)
+    held = {}
+    for p, (every, at) in {"a": (7, 3), "b": (11, 5)}.items():
+        path = root / f"held-{p}.bool"
+        with path.open("wb") as fh:
+            for start in range(0, n, 1 << 20):
+                (np.arange(start, min(n, start + (1 << 20))) % every != at).tofile(fh)
+        held[p] = np.memmap(path, dtype=bool, mode="r") if n else np.zeros(0, bool)
+    t = time.perf_counter()
+    ctx = ActiveRound(
+        cfg=cfg,
+        exchange=None,
+        session=bytes(16),
+        method=SimpleNamespace(table=table),
+        run_dir=root,
+        logger=logging.getLogger("bench"),
+    )
+    ctx.set_presence(held)
+    unheld = ctx.unheld_rows()
+    train, test = ctx.held_rows(train), ctx.held_rows(test)
+    phases["setup"] = time.perf_counter() - t
+    hwm["setup"] = _vmhwm_mb()
+    t = time.perf_counter()
+    if table.streamed:
+        order = shuffled_batches(
+            train, cfg.batch_size, seed=cfg.seed, epoch=0, arrays=table.rowstore.arrays()
+        )
+    else:
+        order = iter(batches(train, cfg.batch_size, seed=cfg.seed, epoch=0))
+    checksum, count = 0.0, 0
+    for ids in order:
+        labels, rows, present = table.label_rows(ids), table.rows(ids), ctx.presence(ids)
+        checksum += float(np.nansum(labels) + np.nansum(rows[:, 0]) + present.sum())
+        count += 1
+    phases["epoch"] = time.perf_counter() - t
+    hwm["epoch"] = _vmhwm_mb()
+    return {
+        "phases_s": phases,
+        "vmhwm_after_mb": hwm,
+        "rows_held": n,
+        "rows_held_by_nobody": unheld,
+        "train_rows": int(len(train)),
+        "test_rows": int(len(test)),
+        "encoded_columns": len(table.columns),
+        "streamed": table.streamed,
+        "batches": count,
+        "checksum": checksum,
+    }
+
+
 def _id_blocks(table, rows: int = 1 << 20):
     """(start, sorted ids) of the table, `rows` at a time (a streamed one reads its index)."""
     if table.streamed:
@@ -211,7 +305,12 @@ def step_baseline(csv: Path, root: Path, stream: bool) -> dict:
     return {"phases_s": {}}
 
 
-STEPS = {"split": step_split, "party": step_party, "baseline": step_baseline}
+STEPS = {
+    "split": step_split,
+    "party": step_party,
+    "active": step_active,
+    "baseline": step_baseline,
+}
 STEPS_ALL = ("split", "party")
 
 
@@ -327,6 +426,11 @@ def main() -> None:
         default="split,party",
         help="steps measured at the full size (comma-separated; the small size runs both)",
     )
+    ap.add_argument(
+        "--small-steps",
+        default="split,party",
+        help="steps measured at the small size, streamed and in memory (comma-separated)",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="(default: a temporary dir)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "stream_rss.json")
@@ -348,7 +452,8 @@ def main() -> None:
         print(json.dumps(floor), flush=True)
         runs = [floor]
         if args.small_gb > 0:
-            runs += run_size(args.small_gb, [True, False], work, args.timeout)
+            small = tuple(x.strip() for x in args.small_steps.split(",") if x.strip())
+            runs += run_size(args.small_gb, [True, False], work, args.timeout, small)
         if args.gb > 0:
             steps = tuple(x.strip() for x in args.steps.split(",") if x.strip())
             unknown = sorted(set(steps) - set(STEPS))

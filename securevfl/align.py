@@ -5,7 +5,11 @@ other holds and nothing about the other rows (`crypto.psi`: ECDH-PSI on edwards2
 
 Identifiers are bucketed by a hash prefix (2^k buckets, k chosen from the set sizes so that a
 bucket holds about 2^16 identifiers), so each message and each blinding step is bounded by a
-bucket (a failed run is restarted from the beginning, with fresh scalars). The label holder
+bucket. Each side journals the buckets it has completed with each peer (`BucketJournal`: the
+rows of its own found shared in each, in `OUT/aligned/.psi-<role>-<peer>/`, mode 0700, files
+0600), so an interrupted alignment run again with the same files and `--out` restarts after
+the last bucket both sides completed (the label holder says where, `psi-start`), with fresh
+scalars, and sends nothing again for the buckets before. The label holder
 sends heartbeats between slices of `KEEPALIVE_POINTS` points while it blinds, so a party does
 not take a long bucket on a loaded machine for a lost peer. What leaks, besides the
 intersection: each side's set size, and how many of its identifiers fall in each bucket (a hash
@@ -13,7 +17,10 @@ of the identifiers, as SecretFlow's bucketed PSI).
 
 Outputs (`--out DIR`): each party writes `aligned/<party>.csv`, its rows shared with the label
 holder; the active party writes `aligned/presence.csv` (its id, then one 0/1 column per party)
-and `aligned/summary.json` (sizes, intersection sizes, seconds, bytes).
+and `aligned/summary.json` (sizes, intersection sizes, seconds, bytes, the bucket each PSI
+resumed at). The label holder removes its journals once these are written; a party keeps its
+own (what it holds is its output's rows), used again only if the label holder's journal with
+it is there too.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,7 +46,7 @@ from securevfl.errors import DataError, RunAborted
 from securevfl.keys import load_public, load_secrets
 from transport import Allowlist, Envelope, Hub, Peer, ReceiveTimeout
 
-KINDS = frozenset({"psi-join", "psi-blinded", "psi-reply", "psi-matches"})
+KINDS = frozenset({"psi-join", "psi-start", "psi-blinded", "psi-reply", "psi-matches"})
 BUCKET_TARGET = 2**16
 MAX_IDS = 10**8
 # the label holder blinds this many points between heartbeats (its hub sends them only when
@@ -64,6 +73,97 @@ def bucket_of(identifiers: Sequence[str], bits: int) -> np.ndarray:
         ],
         dtype=np.int64,
     )
+
+
+class BucketJournal:
+    """The buckets of one PSI (this role with one peer) completed so far, in `directory` (mode
+    0700, files 0600): the rows of this role's identifiers found shared in each, so that an
+    interrupted alignment resumes after the last completed one. Valid only for the same `key`
+    (identifiers' digest, sizes, peers; any change and the journal starts empty)."""
+
+    def __init__(self, directory: Path, key: dict[str, Any]) -> None:
+        self.dir = Path(directory)
+        self.key = key
+        state = self._read()
+        if state is None or state.get("key") != key:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            state = {"key": key, "done": 0, "bits": None}
+        self.done = int(state["done"])  # buckets 0 .. done - 1 are complete
+        self.bits = state.get("bits")
+
+    def keep(self, buckets: int) -> None:
+        """Forget the buckets from `buckets` on (the peer has not completed them)."""
+        if buckets < self.done:
+            self.done = buckets
+            self._write_state()
+
+    def restart(self, bits: int) -> None:
+        """An empty journal for `bits` bucket bits."""
+        self.done, self.bits = 0, bits
+        self._write_state()
+
+    def record(self, bucket: int, bits: int, rows: np.ndarray) -> None:
+        """Bucket `bucket` complete: `rows` (positions among this role's identifiers) shared."""
+        if bucket != self.done or (self.bits is not None and bits != self.bits):
+            raise RuntimeError(f"{self.dir}: bucket {bucket} recorded after {self.done} done")
+        self._write(f"bucket-{bucket}.npy", _npy(np.asarray(rows, dtype=np.int64)))
+        self.done, self.bits = bucket + 1, bits
+        self._write_state()
+
+    def shared(self, n: int) -> np.ndarray:
+        """Which of the `n` identifiers the completed buckets found shared."""
+        out = np.zeros(n, dtype=bool)
+        for b in range(self.done):
+            rows = np.load(self.dir / f"bucket-{b}.npy", allow_pickle=False)
+            if rows.size and (rows.min() < 0 or rows.max() >= n):
+                raise DataError(f"{self.dir}: bucket {b} names rows outside 0..{n - 1}")
+            out[rows] = True
+        return out
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            state = json.loads((self.dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def _write_state(self) -> None:
+        state = {"key": self.key, "done": self.done, "bits": self.bits}
+        self._write("state.json", json.dumps(state).encode())
+
+    def _write(self, name: str, data: bytes) -> None:
+        """`data` as file `name`, whole or not at all (written aside, then renamed)."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.dir / f".{name}.tmp"
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.dir / name)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _digest(ids: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for x in ids:
+        h.update(x.encode() + b"\n")
+    return h.hexdigest()
+
+
+def journal_dir(out: Path, role: str, peer: str) -> Path:
+    return Path(out) / "aligned" / f".psi-{role}-{peer}"
 
 
 def identifiers(path: Path, cfg: RunConfig, columns: Sequence[str]) -> list[str]:
@@ -108,8 +208,10 @@ def align_active(
         on_bound(hub.endpoint)
     presence = {}
     summary: dict[str, Any] = {"active": len(mine), "parties": {}}
+    digest = _digest(mine)
+    journals: dict[str, BucketJournal] = {}
     try:
-        sizes = {}
+        sizes, claims = {}, {}
         deadline = time.monotonic() + timeout
         while len(sizes) < len(cfg.party_names):
             if time.monotonic() > deadline:
@@ -121,13 +223,30 @@ def align_active(
                 continue
             if env.kind == "psi-join" and isinstance(env.meta.get("size"), int):
                 sizes[env.sender] = int(env.meta["size"])
+                done = env.meta.get("done", 0)  # buckets it has completed with me before
+                claims[env.sender] = done if isinstance(done, int) and done > 0 else 0
         for party in cfg.party_names:
             t0, sent0, recv0 = time.perf_counter(), hub.bytes_sent, hub.bytes_received
-            shared = _with_party(hub, party, mine, sizes[party], timeout=timeout, logger=logger)
+            bits = bucket_bits(max(len(mine), sizes[party]))
+            key = {"me": cfg.active_name, "peer": party, "ids": digest, "size": len(mine)}
+            journal = BucketJournal(
+                journal_dir(out, cfg.active_name, party),
+                {**key, "theirs": sizes[party], "bits": bits},
+            )
+            journals[party] = journal
+            start = min(journal.done, claims[party])
+            journal.keep(start)
+            if start:
+                logger.info("%s: resuming at bucket %d of %d", party, start + 1, 2**bits)
+            shared = _with_party(
+                hub, party, mine, sizes[party], bits, journal, timeout=timeout, logger=logger
+            )
             presence[party] = shared
             summary["parties"][party] = {
                 "size": sizes[party],
                 "intersection": int(shared.sum()),
+                "buckets": 2**bits,
+                "resumed_at_bucket": start,
                 "seconds": round(time.perf_counter() - t0, 3),
                 "bytes_sent": int(hub.bytes_sent - sent0),
                 "bytes_received": int(hub.bytes_received - recv0),
@@ -144,6 +263,8 @@ def align_active(
         for i, x in enumerate(mine):
             w.writerow([x, *(int(presence[p][i]) for p in cfg.party_names)])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for journal in journals.values():
+        journal.remove()
     return summary
 
 
@@ -152,15 +273,21 @@ def _with_party(
     party: str,
     mine: list[str],
     theirs: int,
+    bits: int,
+    journal: BucketJournal,
     *,
     timeout: float,
     logger: logging.Logger,
 ) -> np.ndarray:
-    """One PSI with `party`, bucket by bucket; returns which of `mine` it holds."""
-    bits = bucket_bits(max(len(mine), theirs))
+    """One PSI with `party`, bucket by bucket from the journal's first bucket not done (the
+    party is told where, `psi-start`); returns which of `mine` it holds."""
     buckets = bucket_of(mine, bits)
-    shared = np.zeros(len(mine), dtype=bool)
-    for b in range(2**bits):
+    shared = journal.shared(len(mine))
+    hub.send(
+        party,
+        Envelope(kind="psi-start", sender=hub.name, meta={"bucket": journal.done, "bits": bits}),
+    )
+    for b in range(journal.done, 2**bits):
         rows = np.flatnonzero(buckets == b)
         alpha = psi.new_secret()  # fresh per party and bucket: no linkage across them
         order = psi.shuffle(len(rows))
@@ -196,6 +323,7 @@ def _with_party(
                 meta={"bucket": b},
             ),
         )
+        journal.record(b, bits, rows[order[hit]])
         logger.info(
             "%s: bucket %d of %d done (%d of my ids, %d shared)",
             party,
@@ -223,15 +351,17 @@ def psi_limit(n: int) -> int:
     return max(16, 4 * n)
 
 
-def _await(endpoint: Any, sender: str, kind: str, bucket: int, timeout: float) -> Envelope:
+def _await(endpoint: Any, sender: str, kind: str, bucket: int | None, timeout: float) -> Envelope:
+    """The next `kind` envelope from `sender` for `bucket` (None: any)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             env = endpoint.recv(timeout=1.0)
         except ReceiveTimeout:
             continue
-        if env.kind == kind and env.sender == sender and env.meta.get("bucket") == bucket:
-            return env
+        if env.kind == kind and env.sender == sender:
+            if bucket is None or env.meta.get("bucket") == bucket:
+                return env
     raise RunAborted(
         f"no {kind} for bucket {bucket} from {sender} within {timeout:.0f} s", lost=sender
     )
@@ -266,15 +396,29 @@ def align_party(
         logger=logger,
         hub_name=cfg.active_name,
     )
-    shared = np.zeros(len(theirs_ids), dtype=bool)
+    key = {"me": name, "peer": cfg.active_name, "ids": _digest(theirs_ids)}
+    journal = BucketJournal(journal_dir(out, name, cfg.active_name), key)
     try:
-        peer.send(Envelope(kind="psi-join", sender=name, meta={"size": len(theirs_ids)}))
-        bits = None
-        done = 0
-        while bits is None or done < 2**bits:
+        meta = {"size": len(theirs_ids), "done": journal.done}
+        peer.send(Envelope(kind="psi-join", sender=name, meta=meta))
+        start = _await(peer, cfg.active_name, "psi-start", None, timeout)
+        bits, done = start.meta.get("bits"), start.meta.get("bucket")
+        valid = isinstance(bits, int) and isinstance(done, int)
+        if not valid or not 0 <= bits <= 32 or not 0 <= done <= 2**bits:
+            raise RunAborted(f"the label holder started the alignment with {start.meta}")
+        if done > (journal.done if journal.bits == bits else 0):
+            raise RunAborted(
+                f"the label holder resumes at bucket {done}, but this party completed only "
+                f"{journal.done if journal.bits == bits else 0}; remove {journal.dir} and the "
+                "label holder's journal, and align again"
+            )
+        if journal.bits != bits:
+            journal.restart(bits)
+        journal.keep(done)
+        shared = journal.shared(len(theirs_ids))
+        buckets = bucket_of(theirs_ids, bits)
+        while done < 2**bits:
             blinded = _await(peer, cfg.active_name, "psi-blinded", done, timeout)
-            bits = int(blinded.meta["bits"])
-            buckets = bucket_of(theirs_ids, bits)
             rows = np.flatnonzero(buckets == done)
             points = psi.from_array(blinded.tensors["points"], limit=psi.POINT_BYTES * 10**7)
             beta = psi.new_secret()
@@ -294,6 +438,7 @@ def align_party(
             if positions.size and (positions.min() < 0 or positions.max() >= len(rows)):
                 raise RunAborted("the label holder sent positions outside this bucket")
             shared[rows[order[positions]]] = True
+            journal.record(done, bits, rows[order[positions]])
             done += 1
     finally:
         peer.close()

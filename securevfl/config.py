@@ -27,6 +27,8 @@ OPTIMIZERS = ("adam", "sgd")
 CATEGORICAL = ("auto", "onehot", "embedding")
 ROLE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_-")
 RESERVED_ROLE_NAMES = ("aggregator",)
+# [network] pipeline_depth: each call in flight holds a batch at every party and the aggregator
+MAX_PIPELINE_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,9 @@ class RunConfig:
     # a batch's update call rides in the envelope of the next batch's call to the same parties
     # when the method declares the pair (`MethodSpec.fuse`): one round trip per batch, not two
     fuse_rounds: bool = True
+    # training forwards the active party keeps in flight beyond the one it waits for (methods
+    # that declare `MethodSpec.tolerates_staleness` only); 0: one batch at a time, as before
+    pipeline_depth: int = 0
     # [missing]
     missing_train: MissingSpec = field(default_factory=MissingSpec)
     missing_test: MissingSpec = field(default_factory=MissingSpec)
@@ -302,6 +307,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "startup_timeout",
             "aggregator_in_active",
             "fuse_rounds",
+            "pipeline_depth",
         },
     )
     mi = _Section(raw, "missing", {"train", "test", "labeled", "aligned"})
@@ -382,6 +388,9 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         startup_timeout=n.number("startup_timeout", D.startup_timeout, minimum=0.1),
         aggregator_in_active=n.boolean("aggregator_in_active", D.aggregator_in_active),
         fuse_rounds=n.boolean("fuse_rounds", D.fuse_rounds),
+        pipeline_depth=n.integer(
+            "pipeline_depth", D.pipeline_depth, minimum=0, maximum=MAX_PIPELINE_DEPTH
+        ),
         missing_train=_missing(mi.raw("train"), "[missing] train"),
         missing_test=_missing(mi.raw("test"), "[missing] test"),
         labeled=None if mi.raw("labeled") is None else mi.integer("labeled", 0, minimum=1),
@@ -450,6 +459,7 @@ def validate(cfg: RunConfig) -> None:
             f"has {len(cfg.parties)} passive part{'y' if len(cfg.parties) == 1 else 'ies'}; "
             "add parties, or set min_group = 1 to accept unprotected sums explicitly",
         )
+    _check_pipeline(cfg)
     if cfg.aggregation == "ckks" and cfg.aggregator_in_active:
         raise ConfigError(
             "[network] aggregator_in_active",
@@ -483,6 +493,37 @@ def validate(cfg: RunConfig) -> None:
         refusal = policy_refusal(cfg, party.policy, spec)
         if refusal is not None:
             raise ConfigError(f"[parties.{party.name}.policy] {refusal[0]}", refusal[1])
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """[network] pipeline_depth > 0 only for a method that declares it tolerates stale updates
+    (`MethodSpec.tolerates_staleness`), with fused rounds (the backward rides the next forward)."""
+    if cfg.pipeline_depth == 0:
+        return
+    from securevfl.methods import method_spec  # declarations only, no torch
+
+    spec = method_spec(cfg.method)
+    if not spec.tolerates_staleness:
+        raise ConfigError(
+            "[network] pipeline_depth",
+            f"method {cfg.method!r} does not declare that it tolerates stale updates (a party's "
+            "forward computed before the updates of the batches in flight arrived), so it "
+            f"cannot pipeline batches; set pipeline_depth = 0 for {cfg.method!r}, or use a "
+            "method that declares it (splitnn)",
+        )
+    if spec.tolerates_dropout:
+        raise ConfigError(
+            "[network] pipeline_depth",
+            f"method {cfg.method!r} goes on without a lost party, which a pipelined run cannot "
+            "(the rounds in flight were masked for the old group); set pipeline_depth = 0",
+        )
+    if not cfg.fuse_rounds:
+        raise ConfigError(
+            "[network] pipeline_depth",
+            f"pipeline_depth = {cfg.pipeline_depth} needs fuse_rounds = true (each batch's "
+            "backward rides in the envelope of the next forward); set fuse_rounds = true or "
+            "pipeline_depth = 0",
+        )
 
 
 def policy_refusal(cfg: RunConfig, policy: ReleasePolicy, spec: Any) -> tuple[str, str] | None:

@@ -345,6 +345,7 @@ class DiskRows:
         self.ids = self._memmap("sorted.ids", np.int64)
         self.labels = self._memmap("sorted.labels", np.float64) if labels else None
         self._touched = 0
+        self._arrays: Any = None
 
     def __len__(self) -> int:
         return self.n
@@ -369,6 +370,26 @@ class DiskRows:
             count = min(rows, self.n - start)
             data = _pread_exact(self._fds["sorted.ids"], 8 * count, 8 * start, self.dir)
             yield np.frombuffer(data, dtype=np.int64)
+
+    def label_blocks(self, rows: int = 1 << 20) -> Iterator[np.ndarray]:
+        """Every label (float64, NaN: empty) in the order of the sorted ids, `rows` at a time
+        (read with `pread`; the blocks of `id_blocks`)."""
+        for start in range(0, self.n, rows):
+            count = min(rows, self.n - start)
+            if self.labels is None:
+                yield np.full(count, np.nan)
+                continue
+            data = _pread_exact(self._fds["sorted.labels"], 8 * count, 8 * start, self.dir)
+            yield np.frombuffer(data, dtype=np.float64)
+
+    def arrays(self) -> Any:
+        """The role's per-row arrays on disk (`securevfl.data.rowarrays.RowArrays`): a
+        directory inside this cache, removed with it. Made on first use."""
+        if self._arrays is None:
+            from securevfl.data.rowarrays import RowArrays
+
+            self._arrays = RowArrays(self.dir)
+        return self._arrays
 
     def label_rows(self, positions: np.ndarray) -> np.ndarray:
         """float64 labels at `positions` of the sorted ids (NaN: empty)."""
@@ -483,20 +504,7 @@ class DiskRows:
     def _gather(self, name: str, positions: np.ndarray, dtype: Any) -> np.ndarray:
         """The values at `positions` of a file of single `dtype` values: one `pread` per run of
         positions within `GATHER` items of each other."""
-        positions = np.asarray(positions, dtype=np.int64)
-        out = np.empty(len(positions), dtype=dtype)
-        if not len(positions):
-            return out
-        order = np.argsort(positions, kind="stable")
-        at = positions[order]
-        if at[0] < 0 or at[-1] >= self.n:
-            raise IndexError(f"row cache {self.dir}: positions outside 0..{self.n - 1}")
-        first = np.r_[0, np.flatnonzero(np.diff(at // GATHER)) + 1]
-        lo, hi = at[first], at[np.r_[first[1:], len(at)] - 1] + 1
-        values, starts = _read_spans(self._fds[name], lo, hi, dtype, self.dir)
-        group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(at)]))
-        out[order] = values[starts[group] + at - lo[group]]
-        return out
+        return gather(self._fds[name], positions, dtype, n=self.n, where=self.dir)
 
     def _pread(self, name: str, rows: np.ndarray, width: int, dtype: type) -> np.ndarray:
         """The rows `rows` of a file of `width` values each, read one by one with `pread`."""
@@ -537,6 +545,26 @@ class DiskRows:
         if self.n == 0:
             return np.empty(0, dtype=dtype)
         return np.memmap(self.dir / name, dtype=dtype, mode="r", shape=(self.n,))
+
+
+def gather(fd: int, positions: np.ndarray, dtype: Any, *, n: int, where: Path) -> np.ndarray:
+    """The values at `positions` of a file (`fd`) of `n` single `dtype` values: one `pread`
+    per run of positions within `GATHER` items of each other (no map, so a batch costs the
+    process its own bytes only)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    out = np.empty(len(positions), dtype=dtype)
+    if not len(positions):
+        return out
+    order = np.argsort(positions, kind="stable")
+    at = positions[order]
+    if at[0] < 0 or at[-1] >= n:
+        raise IndexError(f"row cache {where}: positions outside 0..{n - 1}")
+    first = np.r_[0, np.flatnonzero(np.diff(at // GATHER)) + 1]
+    lo, hi = at[first], at[np.r_[first[1:], len(at)] - 1] + 1
+    values, starts = _read_spans(fd, lo, hi, dtype, where)
+    group = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(at)]))
+    out[order] = values[starts[group] + at - lo[group]]
+    return out
 
 
 def _read_spans(

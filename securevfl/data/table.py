@@ -12,8 +12,12 @@ ids (each one's row, and the active party's labels) built there by an external s
 batch is read and encoded from there, so memory holds the chunk being read, the batch, a run of
 the sort while loading, and no array with one entry per row (`securevfl.data.rowstore`). Peak
 memory measured on 0.5, 2 and 5 GB files: bench/stream_rss.py. Both ways
-give the same encoded matrix, bit for bit. The split streams too: two passes
-over the table, with about 30 bytes per row (ids, labels, which role gets which row) in memory.
+give the same encoded matrix, bit for bit. The split streams too: two passes over the table;
+with no missingness generator and no labeled budget, a streamed one keeps nothing per row in
+memory (the ids are checked by the external sort, each chunk's rows go where its cells say),
+otherwise about 30 bytes per row (ids, labels, which role gets which row). The active party's
+per-row arrays of a streamed table (split, presence, filtered ids, shuffled orders) are files
+of its cache too (`securevfl.data.rowarrays`).
 """
 
 from __future__ import annotations
@@ -723,6 +727,9 @@ def split_federation(
     Two passes over the table, chunk by chunk (`stream` as in `load_party_table`; a table kept
     in memory is read once): the first keeps ids, labels and which party holds each row (and,
     for a value-dependent missingness generator, the parties' numeric cells), the second writes.
+    A streamed table with no missingness generator and no labeled budget keeps none of that:
+    its first pass only checks (`_check_pass`, the ids on disk in `run_dir/cache`), its second
+    decides each chunk's rows from the chunk (`_write_roles`); the files are the same.
     Raises ConfigError naming a missing column or a bad value."""
     from securevfl.data.missing import presence
 
@@ -737,7 +744,11 @@ def split_federation(
             delimiter=cfg.delimiter,
             chunk_bytes=chunk_bytes,
         )
-        chunks = _source(reader, streams(reader.size, _stream_setting(cfg, stream)))
+        streamed = streams(reader.size, _stream_setting(cfg, stream))
+        chunks = _source(reader, streamed)
+        if streamed and _split_blocks(cfg) == (False, False):
+            _check_pass(cfg, reader, chunks, Path(run_dir) / "cache")
+            return _write_roles(cfg, run_dir, roles, chunks)
         first = _first_pass(cfg, reader, chunks, parties)
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
@@ -797,6 +808,84 @@ def split_federation(
                     if role == cfg.active_name:
                         body.append(_where_kept(chunk.cells[cfg.label], label_kept[s:e]))
                     writers.write(role, body, None if masks[role] is None else masks[role][s:e])
+    except DataError as exc:
+        raise ConfigError("[data] path", str(exc)) from None
+    return out
+
+
+def _check_pass(
+    cfg: RunConfig,
+    reader: TableReader,
+    chunks: Callable[[], Iterator[TextChunk]],
+    cache_dir: Path,
+) -> None:
+    """The first pass of a streamed split that needs no per-row array (no missingness generator,
+    no labeled budget): the checks of `_first_pass` and `split_federation`, in their order and
+    words (repeated ids, through an external sort in a cache of `cache_dir` removed after; the
+    labels; the first empty label)."""
+    where = str(reader.path)
+    regression = cfg.task == "regression"
+    label_levels = CompactConverter({cfg.label: "categorical"})
+    first_empty: int | None = None
+    writer = DiskRowsWriter(cache_dir, prefix="split-ids", n_numbers=0, n_codes=0)
+    try:
+        for chunk in chunks():
+            n = chunk.n_rows
+            ids = chunk_ids(chunk, where=where)
+            writer.append(np.empty((n, 0)), np.empty((n, 0), np.int32), None, ids=ids)
+            cells = chunk.cells[cfg.label]
+            if regression:
+                empty = np.isnan(
+                    numbers_of(cells, column=cfg.label, where=where, first_row=chunk.first_row)
+                )
+            else:
+                empty = label_levels.convert({cfg.label: cells}, n, where=where)[1][:, 0] < 0
+            if first_empty is None and empty.any():
+                first_empty = chunk.first_row + int(np.argmax(empty))
+        writer.finish(
+            texts=False, where=where, texts_at=lambda rows: _texts_at(reader, rows)
+        ).close()
+    except BaseException:
+        writer.abandon()
+        raise
+    if not regression:  # refuses a bad [data] positive, as the codec over every row does
+        LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
+            label_levels.levels[cfg.label], np.empty(0, np.int32), column=cfg.label, where=where
+        )
+    if first_empty is not None and cfg.labeled is None:
+        raise ConfigError(
+            "[data] path",
+            f"{cfg.data_path}:{first_empty + 2}: the label {cfg.label!r} is empty (drop the "
+            "row, or set [missing] labeled if some training rows are unlabeled on purpose)",
+        )
+
+
+def _write_roles(
+    cfg: RunConfig,
+    run_dir: Path,
+    roles: Sequence[tuple[str, Sequence[str]]],
+    chunks: Callable[[], Iterator[TextChunk]],
+) -> dict[str, Path]:
+    """The second pass of a split with no missingness generator nor labeled budget: each chunk's
+    rows to the role files, a passive party getting the rows with a cell of its own (what
+    `split_federation` keeps, computed chunk by chunk)."""
+    parties = roles[1:]
+    id_name = _id_column(cfg)
+    out = {role: role_data_path(run_dir, role) for role, _ in roles}
+    headers = {role: [id_name, *cols] for role, cols in roles}
+    headers[cfg.active_name].append(cfg.label)
+    try:
+        with _RoleWriters(out, headers) as writers:
+            for chunk in chunks():
+                text = pc.fill_null(chunk_id_text(chunk), "")
+                held = [_held_mask(chunk, cols) for _, cols in parties]
+                writers.write(
+                    cfg.active_name,
+                    [text, *(chunk.cells[c] for c in cfg.active_columns), chunk.cells[cfg.label]],
+                    None,
+                )
+                for (role, cols), mask in zip(parties, held, strict=True):
+                    writers.write(role, [text, *(chunk.cells[c] for c in cols)], mask)
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
     return out

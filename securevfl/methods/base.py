@@ -53,6 +53,7 @@ class ActiveContext(Protocol):
 
     config: RunConfig
     start_epoch: int
+    round: int  # the round of the last call sent
 
     @property
     def parties(self) -> tuple[str, ...]:
@@ -77,6 +78,27 @@ class ActiveContext(Protocol):
         as ``"name@party"``): only for things the active party may know (e.g. row counts)."""
         ...
 
+    def post(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
+    ) -> Any:
+        """Send a call as `call` does without waiting for its result: returns a ticket (its
+        `round` is the call's round) for `wait`. With [network] pipeline_depth > 0 a method
+        that declares `MethodSpec.tolerates_staleness` keeps several forwards in flight."""
+        ...
+
+    def wait(self, ticket: Any) -> dict[str, np.ndarray]:
+        """The result of a posted call (what `call` returns), after the results of the updates
+        posted before it; raises as `call` does."""
+        ...
+
     def presence(self, ids: np.ndarray) -> np.ndarray:
         """Boolean [len(ids), len(all parties)]: which party holds which row (learnt at set-up,
         as after a private set intersection). Columns follow `config.party_names`."""
@@ -94,8 +116,10 @@ class ActiveContext(Protocol):
         ids: np.ndarray,
         epoch: int,
         op: str = "backward",
+        args: Mapping[str, Any] | None = None,
     ) -> None:
-        """Send gradients of a batch-mean loss (as autograd gives them) to the parties:
+        """Send gradients of a batch-mean loss (as autograd gives them) to the parties (`args`:
+        the update call's arguments, e.g. which forward it belongs to):
         ``grads[group][tensor]`` to every party of `group`, one call per group. The context owns
         the batch-size convention and label DP (rows scaled to per-sample gradients, clipped
         jointly, noised, scaled back); a party lost meanwhile is skipped."""
@@ -119,6 +143,10 @@ class ActiveContext(Protocol):
 
 class PartyMethod(ABC):
     """Passive-party stage of a method. Sees only its own table."""
+
+    # the round of the call being handled (the role sets it before `check_call` and `handle`):
+    # a method that keeps state between calls (split-NN's training forwards) keys it by round
+    call_round: int = -1
 
     def __init__(
         self, *, name: str, table: PartyTable, config: RunConfig, device: torch.device
@@ -336,6 +364,10 @@ class MethodSpec:
     # update of batch t (answered by an acknowledgement only) rides ahead of the next op of
     # batch t+1 to the same parties, which run them in order, so results are unchanged
     fuse: tuple[tuple[str, str], ...] = ()
+    # the method trains correctly when a party's forward of batch t+k is computed before the
+    # updates of batches t..t+k-1 reached it ([network] pipeline_depth = k > 0); its party
+    # keeps each training forward keyed by round and its update names that round
+    tolerates_staleness: bool = False
     # a small federation to run the method on (`securevfl.methods.examples`): writes its data
     # into a folder and returns the raw config; the shared conformance suite runs it
     example: Callable[[Path], dict[str, Any]] | None = None

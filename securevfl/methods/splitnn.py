@@ -4,7 +4,9 @@ loss at the active party, which sends back dL/dS (the same for every contributor
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,12 +27,12 @@ from securevfl.methods.base import (
 from securevfl.methods.blocks.batches import chunks
 from securevfl.methods.blocks.nets import (
     Standardizer,
-    batches,
     class_count,
     derived_seed,
     make_optimizer,
     mlp,
     output_dim,
+    table_batches,
     task_loss,
 )
 from securevfl.metrics import task_metrics
@@ -43,11 +45,22 @@ OPERATIONS = (
     ),
     Operation(
         "backward",
-        "dL/dS of the last training forward; the party steps its encoder",
+        "dL/dS of the training forward of round args.forward; the party steps its encoder",
         inputs=("grad",),
         updates=True,
     ),
 )
+
+
+@dataclass
+class PendingForward:
+    """A training forward awaiting its backward: its rows, and either its autograd graph
+    (pipeline_depth 0: nothing changes the encoder before the backward) or its inputs (the
+    encoder will have stepped meanwhile: the backward computes the forward again)."""
+
+    ids: np.ndarray
+    out: Any = None
+    x: Any = None
 
 
 class SplitNNParty(PartyMethod):
@@ -58,7 +71,7 @@ class SplitNNParty(PartyMethod):
         from securevfl.privacy.runtime import private_training
 
         train_ids = inputs["train_ids"]
-        self.scaler = Standardizer().fit(self.table.rows(train_ids[self.table.has(train_ids)]))
+        self.scaler = Standardizer().fit_table(self.table, train_ids[self.table.has(train_ids)])
         keep_codes(self.scaler, self.table)  # categorical codes ([categorical] embedding) as is
         seed = derived_seed(self.config.seed, "encoder", self.name)
         self.encoder = with_embeddings(
@@ -79,10 +92,52 @@ class SplitNNParty(PartyMethod):
             self, self.encoder, self.optimizer, expected_batch_size=self.config.batch_size
         )
         self.encoder, self.optimizer = self.training.module, self.training.optimizer
-        self._pending: tuple[np.ndarray, Any] | None = None
+        # training forwards awaiting their backward, keyed by the forward's round, oldest
+        # first: at most [network] pipeline_depth + 1 (the oldest is dropped beyond that, and a
+        # backward for it refused)
+        self._pending: dict[int, PendingForward] = {}
 
     def _inputs(self, ids: np.ndarray) -> Any:
         return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
+
+    def check_call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any],
+        inputs: Mapping[str, np.ndarray],
+        groups: Any,
+    ) -> str | None:
+        """A backward must name a training forward of this party still awaiting its backward
+        (`args.forward`: its round) on the same rows: never one it did not compute, one already
+        stepped on (a replay), or other rows."""
+        del inputs, groups
+        if op != "backward":
+            return None
+        return self._backward_refusal(ids, args.get("forward"))
+
+    def _backward_refusal(self, ids: np.ndarray, forward: Any) -> str | None:
+        pending = getattr(self, "_pending", {})
+        if isinstance(forward, bool) or not isinstance(forward, int):
+            return (
+                f"a backward must name the round of the training forward it belongs to "
+                f"(args.forward), not {forward!r}"
+            )
+        if forward not in pending:
+            return (
+                f"a backward for the training forward of round {forward}, which this party did "
+                f"not compute or has already stepped on (awaiting a backward: rounds "
+                f"{sorted(pending)}; it keeps the last [network] pipeline_depth + 1 = "
+                f"{self.config.pipeline_depth + 1}: every role must run the same "
+                "pipeline_depth); nothing was applied"
+            )
+        if not np.array_equal(pending[forward].ids, ids):
+            return (
+                f"a backward for other rows than the training forward of round {forward}; "
+                "nothing was applied"
+            )
+        return None
 
     def handle(
         self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
@@ -91,17 +146,29 @@ class SplitNNParty(PartyMethod):
             x = self._inputs(ids)
             if args.get("train", False):
                 self.encoder.train()
-                out = self.training.model(x)
-                self._pending = (ids, out)
+                if self.config.pipeline_depth == 0:
+                    out = self.training.model(x)
+                    self._keep(PendingForward(ids=ids, out=out))
+                else:  # pipelined: the encoder steps before the backward comes (recomputed)
+                    with torch.no_grad():
+                        out = self.training.model(x)
+                    self._keep(PendingForward(ids=ids, x=x))
             else:
                 self.encoder.eval()
                 with torch.no_grad():
                     out = self.encoder(x)
             return {"rep": out.detach().cpu().numpy()}
         if op == "backward":
-            if self._pending is None or not np.array_equal(self._pending[0], ids):
-                raise RuntimeError("backward for rows that were not the last training forward")
-            _, out = self._pending
+            reason = self._backward_refusal(ids, args.get("forward"))
+            if reason is not None:  # the role refuses it first (check_call); direct callers
+                raise RuntimeError(reason)
+            pending = self._pending.pop(args["forward"])
+            out = pending.out
+            if out is None:
+                # a stale forward (pipeline_depth > 0): the same rows through the encoder as it
+                # is now, so the gradient computed at the stale S steps the current weights
+                self.encoder.train()
+                out = self.training.model(pending.x)
             grad = torch.tensor(np.asarray(inputs["grad"], dtype=np.float32), device=self.device)
             if grad.shape != out.shape:
                 raise ValueError(
@@ -110,9 +177,13 @@ class SplitNNParty(PartyMethod):
             self.training.zero_grad()
             out.backward(grad)
             self.training.step()
-            self._pending = None
             return {}
         raise UnknownOperation("splitnn", op)
+
+    def _keep(self, pending: PendingForward) -> None:
+        self._pending[self.call_round] = pending
+        while len(self._pending) > self.config.pipeline_depth + 1:
+            del self._pending[next(iter(self._pending))]  # the oldest: its backward never came
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -163,6 +234,38 @@ class SplitNNActive(ActiveMethod):
 
     def _forward(self, ctx: ActiveContext, ids: np.ndarray, *, train: bool) -> tuple[Any, Any]:
         total = ctx.call("forward", ids=ids, args={"train": train}, sums=self._sum_spec(ctx))["S"]
+        return self._head(ids, total, train=train)
+
+    def _training_sums(
+        self, ctx: ActiveContext, batches: Iterable[np.ndarray]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        """(rows, S, round of their forward) for each training batch in order. With [network]
+        pipeline_depth = d > 0 the forwards of the next d batches are in flight while batch t's
+        sum is awaited; the backward of batch t (held by `return_gradients`) rides ahead of the
+        next forward posted, so a party computes the forward of batch t + k before the updates
+        of batches t..t+k-1 reached it (staleness <= d steps, declared: `tolerates_staleness`)."""
+        depth = self.config.pipeline_depth
+        if depth == 0:  # one at a time: exactly the unpipelined protocol
+            for ids in batches:
+                total = ctx.call(
+                    "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
+                )["S"]
+                yield ids, total, ctx.round
+            return
+        window: deque[tuple[np.ndarray, Any]] = deque()
+        rows = iter(batches)
+        while True:
+            while len(window) <= depth and (ids := next(rows, None)) is not None:
+                ticket = ctx.post(
+                    "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
+                )
+                window.append((ids, ticket))
+            if not window:
+                return
+            ids, ticket = window.popleft()
+            yield ids, ctx.wait(ticket)["S"], ticket.round
+
+    def _head(self, ids: np.ndarray, total: np.ndarray, *, train: bool) -> tuple[Any, Any]:
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
         model = self.training.model if train and self.training is not None else self.fusion
         if self.own is None:
@@ -182,7 +285,7 @@ class SplitNNActive(ActiveMethod):
         if ctx.start_epoch == 0:
             from securevfl.methods.blocks.embedding import keep_codes
 
-            keep_codes(self.scaler.fit(self.table.rows(train_ids)), self.table)
+            keep_codes(self.scaler.fit_table(self.table, train_ids), self.table)
         from securevfl.privacy.runtime import private_training
 
         # DP-SGD on head (+ own encoder) when [active] dp_sgd is set; the loss is a batch mean
@@ -193,8 +296,9 @@ class SplitNNActive(ActiveMethod):
             started = time.perf_counter()
             total_loss = 0.0
             self.fusion.train()
-            for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
-                s, out = self._forward(ctx, ids, train=True)
+            order = table_batches(self.table, train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch)
+            for ids, total, forward in self._training_sums(ctx, order):
+                s, out = self._head(ids, total, train=True)
                 y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
                 loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
@@ -202,7 +306,10 @@ class SplitNNActive(ActiveMethod):
                 # the head steps first: a DP-SGD budget that runs out stops before any release
                 self.training.step(epoch=epoch)
                 ctx.return_gradients(
-                    {tuple(ctx.parties): {"grad": s.grad.cpu().numpy()}}, ids=ids, epoch=epoch
+                    {tuple(ctx.parties): {"grad": s.grad.cpu().numpy()}},
+                    ids=ids,
+                    epoch=epoch,
+                    args={"forward": forward},
                 )
                 total_loss += float(loss.detach()) * len(ids)
             elapsed = time.perf_counter() - started
@@ -254,6 +361,9 @@ SPEC = MethodSpec(
     encodings=("onehot", "embedding"),
     # a batch's backward rides ahead of the next batch's forward (one round trip per batch)
     fuse=(("backward", "forward"),),
+    # [network] pipeline_depth = d: a party's forward may be d updates behind (its backward
+    # then steps the current encoder with the gradient computed at that stale representation)
+    tolerates_staleness=True,
     description="split-NN baseline: summed party representations, head at the active party",
     example=partial(examples.classification, method="splitnn"),
 )

@@ -50,13 +50,7 @@ def run_active(
     if table is None:
         table = load_active_table(data_path, cfg, cache_dir=run_dir / "cache")
     spec = method_spec(cfg.method)
-    train_ids, test_ids = train_test_split(
-        table.ids,
-        test_fraction=cfg.test_fraction,
-        seed=cfg.seed,
-        labels=table.labels,
-        stratify=stratified(cfg),
-    )
+    train_ids, test_ids = split_table(table, cfg)
     table.prepare(train_ids)  # its own text columns, encoded on its training rows
     method = spec.active_class()(table=table, config=cfg, device=device)
     start_epoch = 0
@@ -121,6 +115,24 @@ def run_active(
         print(f"test: {shown}", file=out, flush=True)
         logger.info("finished; test metrics %s", test)
         return P.EXIT_OK
+
+
+def split_table(table: ActiveTable, cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The run's train/test split of the active party's rows (sorted ids): of a streamed table,
+    the same split in files of its row cache (`securevfl.data.rowarrays.split_ids`)."""
+    if table.streamed:
+        from securevfl.data.rowarrays import split_ids
+
+        return split_ids(
+            table, test_fraction=cfg.test_fraction, seed=cfg.seed, stratify=stratified(cfg)
+        )
+    return train_test_split(
+        table.ids,
+        test_fraction=cfg.test_fraction,
+        seed=cfg.seed,
+        labels=table.labels,
+        stratify=stratified(cfg),
+    )
 
 
 @contextlib.contextmanager
@@ -199,26 +211,11 @@ def _json_default(value: Any) -> Any:
 
 
 def zmq_exchange(conn: RoleConnection, cfg: RunConfig, logger: logging.Logger) -> Any:
-    """Send a call envelope to the aggregator and return the result of its round (what else
-    arrives meanwhile is logged and dropped)."""
+    """Send call envelopes to the aggregator and receive the result of each round (several may
+    be in flight: `RoundExchange`; what else arrives meanwhile is logged and dropped)."""
+    from securevfl.roles.connection import RoundExchange
 
-    def exchange(env: Envelope) -> Envelope:
-        conn.send(env)
-        while True:
-            reply = conn.recv(
-                timeout=cfg.round_timeout + cfg.peer_timeout,
-                waiting_for=f"the result of round {env.round} ({env.meta.get('op')})",
-            )
-            if reply.kind == P.RESULT and reply.round == env.round:
-                return reply
-            logger.warning(
-                "dropped %r for round %d while waiting for round %d",
-                reply.kind,
-                reply.round,
-                env.round,
-            )
-
-    return exchange
+    return RoundExchange(conn, cfg, logger)
 
 
 def run_active_scoring(

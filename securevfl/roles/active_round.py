@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from securevfl.config import RunConfig
+from securevfl.data.rowarrays import PresenceRows, filter_ids
 from securevfl.errors import RunAborted
 from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.roles import protocol as P
@@ -46,9 +47,34 @@ class PartyLate(PartyDropped):
         )
 
 
+@runtime_checkable
+class PipelinedExchange(Protocol):
+    """A transport that sends a call envelope and later receives the result of its round
+    (several rounds in flight): `securevfl.roles.connection.RoundExchange` over ZeroMQ."""
+
+    def send(self, env: Envelope) -> None: ...
+
+    def receive(self, round: int, what: str) -> Envelope: ...
+
+
+@dataclass(eq=False)
+class Posted:
+    """A call sent by `ActiveRound.post` whose result `ActiveRound.wait` has not taken yet."""
+
+    round: int
+    op: str
+    sums: tuple[SumSpec, ...]
+    to: tuple[str, ...]
+    collect: tuple[str, ...]
+    held: Call | None  # the update that rode ahead of it
+    what: str
+
+
 class ActiveRound:
     """The active party's stage: an `ActiveContext` whose calls go through `exchange` (one call
-    envelope in, its result envelope out) — ZeroMQ for the roles, memory for the direct path."""
+    envelope in, its result envelope out) — ZeroMQ for the roles, memory for the direct path.
+    An exchange that is a `PipelinedExchange` also lets `post` send calls ahead of their
+    results ([network] pipeline_depth)."""
 
     def __init__(
         self,
@@ -138,11 +164,16 @@ class ActiveRound:
         # ([network] fuse_rounds, the pairs the method declares in `MethodSpec.fuse`)
         self._held: Call | None = None
         self._fuse = frozenset(method_spec(cfg.method).fuse) if cfg.fuse_rounds else frozenset()
+        # calls sent and not yet answered, in round order ([network] pipeline_depth > 0 keeps
+        # several forwards and their riding updates in flight); results received ahead of time
+        self._in_flight: list[Posted] = []
+        self._settled: dict[int, dict[str, np.ndarray]] = {}
+        self._results: dict[int, Envelope] = {}
         self.lost: list[str] = []
         self.epoch_seconds: list[float] = []
         self.history: list[dict[str, float]] = []
         self._epoch_started = time.perf_counter()
-        self._presence: np.ndarray | None = None
+        self._presence: np.ndarray | PresenceRows | None = None
         # which of the active party's rows each party holds, known from a PSI (`securevfl align`)
         self.shared: dict[str, np.ndarray] | None = None
 
@@ -169,6 +200,23 @@ class ActiveRound:
         to: Sequence[str] | None = None,
         collect: Sequence[str] = (),
     ) -> dict[str, np.ndarray]:
+        return self.wait(
+            self.post(op, ids=ids, args=args, inputs=inputs, sums=sums, to=to, collect=collect)
+        )
+
+    def post(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any] | None = None,
+        inputs: Mapping[str, np.ndarray] | None = None,
+        sums: Sequence[SumSpec] = (),
+        to: Sequence[str] | None = None,
+        collect: Sequence[str] = (),
+    ) -> Posted:
+        """Send a call (with the update held back to ride ahead of it, if it may) and return
+        its ticket for `wait`, without waiting for the result."""
         for spec in sums:  # the one check of the active party, before anything is sent
             check_group(self.config, spec.group, key=spec.key, what=f"method op {op!r}")
         if to is None:
@@ -205,8 +253,49 @@ class ActiveRound:
         )
         self.auth_seconds += time.perf_counter() - started
         self.exchanges += 1
-        result = self.exchange(env)
-        what = " + ".join(f"{c.op} (round {c.round})" for c in calls)
+        self._transmit(env)
+        posted = Posted(
+            round=call.round,
+            op=op,
+            sums=tuple(sums),
+            to=tuple(to),
+            collect=tuple(collect),
+            held=held,
+            what=" + ".join(f"{c.op} (round {c.round})" for c in calls),
+        )
+        self._in_flight.append(posted)
+        return posted
+
+    def wait(self, posted: Posted) -> dict[str, np.ndarray]:
+        """The result of a posted call, after those of the calls posted before it (results
+        arrive in round order; an earlier call's result is kept until it is waited for).
+        Raises as `call` does."""
+        if posted.round in self._settled:
+            return self._settled.pop(posted.round)
+        if posted not in self._in_flight:
+            raise ValueError(f"{posted.what}: its result was already taken")
+        while True:
+            first = self._in_flight.pop(0)
+            out = self._settle(first)
+            if first is posted:
+                return out
+            if first.sums or first.collect:
+                self._settled[first.round] = out
+
+    def _transmit(self, env: Envelope) -> None:
+        exchange = self.exchange
+        if isinstance(exchange, PipelinedExchange):
+            exchange.send(env)
+        else:  # one call in, its result out (the direct path): kept until waited for
+            self._results[env.round] = exchange(env)
+
+    def _settle(self, posted: Posted) -> dict[str, np.ndarray]:
+        """Receive and check the result of `posted`; its decoded sums and clear tensors."""
+        if posted.round in self._results:
+            result = self._results.pop(posted.round)
+        else:
+            result = self.exchange.receive(posted.round, posted.what)
+        held, op, what, to = posted.held, posted.op, posted.what, posted.to
         if result.meta.get("refused"):
             refused = result.meta["refused"]
             raise RunAborted(
@@ -236,28 +325,42 @@ class ActiveRound:
             raise PartyLate(late or [str(p) for p in result.meta["late"]])
         shapes = result.meta.get("shapes", {})
         out = {}
-        for spec in sums:
+        for spec in posted.sums:
             out[spec.key] = self.stage.reveal(
                 sum_arrays(result.tensors, spec.key),
                 group=spec.group,
                 key=spec.key,
                 shape=tuple(shapes[spec.key]),
             )
-        for name in collect:
+        for name in posted.collect:
             for party in to:
                 out[f"{name}@{party}"] = result.tensors[f"{name}@{party}"]
         return out
 
     def flush(self) -> None:
-        """Send the update call held back to ride with the next call, if any, on its own."""
+        """Send the update call held back to ride with the next call, if any, on its own; then
+        wait for every call in flight (pipelined updates are acknowledged here at the latest)."""
+        self._release_held()
+        while self._in_flight:
+            first = self._in_flight.pop(0)
+            out = self._settle(first)
+            if first.sums or first.collect:
+                self._settled[first.round] = out
+
+    def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
             self._deliver(held)
 
     def _deliver(self, held: Call) -> None:
         """An update call on its own; a party lost meanwhile is skipped, and an update that
-        reached the others is never sent twice."""
+        reached the others is never sent twice. Pipelined ([network] pipeline_depth > 0): it is
+        posted, and its acknowledgement is checked by the next `wait` (or `flush`)."""
         alive = [p for p in held.to if p in self._parties]
+        if self.config.pipeline_depth > 0:
+            if alive:
+                self.post(held.op, ids=held.ids, args=held.args, inputs=held.inputs, to=alive)
+            return
         while alive:
             try:
                 self.call(held.op, ids=held.ids, args=held.args, inputs=held.inputs, to=alive)
@@ -290,10 +393,14 @@ class ActiveRound:
         )
 
     def presence(self, ids: np.ndarray) -> np.ndarray:
-        return self._presence[self.method.table.positions(ids)]
+        positions = self.method.table.positions(ids)
+        if isinstance(self._presence, PresenceRows):
+            return self._presence.rows(positions)
+        return self._presence[positions]
 
     def set_presence(self, held: Mapping[str, np.ndarray]) -> None:
-        n = len(self.method.table.ids)
+        table = self.method.table
+        n = len(table.ids)
         for party, flags in held.items():
             if flags.dtype != np.bool_ or flags.shape != (n,):
                 raise RunAborted(
@@ -301,9 +408,18 @@ class ActiveRound:
                     f"({flags.dtype}, shape {flags.shape}; expected bool of shape ({n},))",
                     lost=party,
                 )
+        if table.streamed:  # one bit a party and row, in a file of the table's row cache
+            self._presence = PresenceRows(table.rowstore.arrays(), held, self.config.party_names)
+            return
         self._presence = np.stack(
             [np.asarray(held[p], dtype=bool) for p in self.config.party_names], axis=1
         )
+
+    def unheld_rows(self) -> int:
+        """How many of the active party's rows no passive party holds (after set-up)."""
+        if isinstance(self._presence, PresenceRows):
+            return self._presence.count_unheld()
+        return int((~self._presence.any(axis=1)).sum())
 
     def release_gradients(
         self, grads: Mapping[str, np.ndarray], *, epoch: int, ids: np.ndarray | None = None
@@ -322,8 +438,10 @@ class ActiveRound:
         ids: np.ndarray,
         epoch: int,
         op: str = "backward",
+        args: Mapping[str, Any] | None = None,
     ) -> None:
-        """Send gradients of a batch-mean loss to the parties: ``grads[group][tensor]`` goes to
+        """Send gradients of a batch-mean loss to the parties (`args`: the update call's
+        arguments, e.g. the round of the forward it belongs to): ``grads[group][tensor]`` goes to
         every party of `group` (one call per group). Owns the batch-size convention: rows are
         scaled to per-sample gradients (x B), pass label DP together (one joint clip per row),
         and are scaled back (/ B). A party lost meanwhile is skipped; an update that reached the
@@ -343,10 +461,16 @@ class ActiveRound:
             }
             alive = tuple(p for p in group if p in self._parties)
             update = Call(
-                op=op, round=0, session=self.session_hex, ids=ids, inputs=inputs, to=alive
+                op=op,
+                round=0,
+                session=self.session_hex,
+                ids=ids,
+                args=dict(args or {}),
+                inputs=inputs,
+                to=alive,
             )
             if alive and any(u == op for u, _ in self._fuse):
-                self.flush()  # at most one held: an earlier group's goes first, alone
+                self._release_held()  # at most one held: an earlier group's goes first, alone
                 self._held = update  # rides ahead of the next call to `alive` (or goes alone)
             else:
                 self._deliver(update)
@@ -458,7 +582,12 @@ class ActiveRound:
         self.set_presence({p: self.shared[p] for p in self.parties})
 
     def held_rows(self, ids: np.ndarray) -> np.ndarray:
-        """`ids` without the rows no passive party holds."""
+        """`ids` without the rows no passive party holds (of a streamed table: in a file of its
+        row cache, computed a block at a time)."""
+        table = self.method.table
+        if table.streamed:
+            keep = lambda block: self.presence(block).any(axis=1)  # noqa: E731
+            return filter_ids(table.rowstore.arrays(), ids, keep, "held.ids")
         return ids[self.presence(ids).any(axis=1)]
 
 
@@ -468,19 +597,18 @@ def train_and_evaluate(
     """Set-up, training and evaluation of the method over `ctx`; returns the training and test
     rows used (rows no passive party holds are dropped) and the test metrics."""
     ctx.setup(train_ids=train_ids)
-    anyone = ctx.presence(ctx.method.table.ids).any(axis=1)
-    if not anyone.all() and method_spec(ctx.config.method).uses_unheld_rows:
-        ctx.logger.info(
-            "%d rows are held by no passive party; the method uses them", int((~anyone).sum())
-        )
-    elif not anyone.all():
-        ctx.logger.info(
-            "%d rows are held by no passive party and are dropped", int((~anyone).sum())
-        )
+    unheld = ctx.unheld_rows()
+    if unheld and method_spec(ctx.config.method).uses_unheld_rows:
+        ctx.logger.info("%d rows are held by no passive party; the method uses them", unheld)
+    elif unheld:
+        ctx.logger.info("%d rows are held by no passive party and are dropped", unheld)
         train_ids, test_ids = ctx.held_rows(train_ids), ctx.held_rows(test_ids)
     table = ctx.method.table
     if not method_spec(ctx.config.method).uses_unlabeled:  # a labeled budget: labeled rows only
-        train_ids = train_ids[table.labeled(train_ids)]
+        if table.streamed:
+            train_ids = filter_ids(table.rowstore.arrays(), train_ids, table.labeled, "labeled")
+        else:
+            train_ids = train_ids[table.labeled(train_ids)]
     ctx._epoch_started = time.perf_counter()
     ctx.method.fit(ctx, train_ids=train_ids)
     ctx.flush()  # an update held back to ride with a next call that never came

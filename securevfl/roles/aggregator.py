@@ -8,12 +8,13 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from securevfl.config import RunConfig
 from securevfl.keys import AGGREGATOR, load_public, load_secrets
 from securevfl.roles import protocol as P
-from securevfl.roles.rounds import AggregatorRound, readmits_late, tolerates_dropout
+from securevfl.roles.rounds import AggregatorRound, Call, readmits_late, tolerates_dropout
 from securevfl.secure_sum import ContributionError
 from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout, TransportError
 from transport.errors import one_line, quote
@@ -21,6 +22,19 @@ from transport.errors import one_line, quote
 # a party that keeps its heartbeat but misses this many round deadlines in a row is dropped for
 # the rest of the run even by a method that readmits late parties (it is hung, not slow)
 LATE_ROUNDS_TO_DROP = 3
+
+
+@dataclass
+class OpenRound:
+    """A round in flight at the aggregator: its call, and the contributions accepted so far
+    (sum key -> party -> contribution), which only this round's sums ever combine."""
+
+    call: Call
+    replies: dict[str, Envelope] = field(default_factory=dict)
+    accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def waiting(self) -> list[str]:
+        return sorted(set(self.call.to) - set(self.replies))
 
 
 class Aggregator:
@@ -47,6 +61,8 @@ class Aggregator:
     def run(self) -> int:
         try:
             self._handshake()
+            if self.cfg.pipeline_depth > 0:
+                return self._serve_pipelined()
             while True:
                 try:
                     env = self._recv(
@@ -258,6 +274,113 @@ class Aggregator:
             replies[reply.sender] = reply
             self.missed.pop(reply.sender, None)  # in time again
         self._send(self.active, self.rounds.result(call, replies, accepted))
+
+    # -- several rounds in flight ([network] pipeline_depth > 0) ------------------------------
+
+    def _serve_pipelined(self) -> int:
+        """The round loop with several rounds in flight: each call goes to its parties as it
+        arrives, each contribution is routed to its round by round id, and a round's result
+        goes to the active party when its group is complete. Calls are still checked one by
+        one (`AggregatorRound.open`), rounds stay strictly increasing, and a round's sums only
+        combine that round's contributions (its own masks). A lost, silent or failed role stops
+        the run as in the one-round loop (a method that pipelines tolerates no dropout); a
+        refusal ends its round (the active party stops when it reaches it)."""
+        limit = self._in_flight_limit()
+        open_rounds: dict[int, OpenRound] = {}
+        while True:
+            oldest = next(iter(open_rounds.values()), None)
+            if oldest is None:
+                timeout = self.cfg.round_timeout + self.cfg.peer_timeout
+                waiting_for = f"a call from {self.active}"
+            else:
+                timeout = self.cfg.round_timeout
+                waiting_for = f"round {oldest.call.round} contributions from {oldest.waiting()}"
+            env = self._recv(timeout=timeout, waiting_for=waiting_for)
+            if env.sender != self.active:
+                self._route(env, open_rounds)
+            elif env.kind == P.BYE:
+                self._finish(env)
+                return P.EXIT_OK
+            elif env.kind == P.CALL:
+                self._open(env, open_rounds, limit)
+            else:
+                self.logger.warning("dropped unexpected %s from the active party", quote(env.kind))
+
+    def _in_flight_limit(self) -> int:
+        """How many calls may be open at once: the d + 1 forwards in flight, each with the
+        backward riding in its envelope or, when the pipeline drains, sent alone."""
+        return 2 * (self.cfg.pipeline_depth + 1)
+
+    def _open(self, env: Envelope, open_rounds: dict[int, OpenRound], limit: int) -> None:
+        if env.round <= self.last_round:
+            self.logger.warning(
+                "dropped call for round %d (already at %d)", env.round, self.last_round
+            )
+            return
+        self.last_round = env.round
+        call = self.rounds.open(env)
+        if len(open_rounds) >= limit:
+            raise P.RunAborted(
+                f"the active party sent round {env.round} with {len(open_rounds)} calls already "
+                f"in flight; [network] pipeline_depth = {self.cfg.pipeline_depth} allows "
+                f"{limit}; stopping (check the active party's config)"
+            )
+        for party in call.to:
+            try:
+                self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
+            except TransportError as exc:  # gone before its heartbeat expired
+                raise P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party) from None
+        open_rounds[env.round] = OpenRound(call=call, accepted={spec.key: {} for spec in call.sums})
+
+    def _route(self, reply: Envelope, open_rounds: dict[int, OpenRound]) -> None:
+        """A party's answer, to the round in flight it names (anything else is dropped)."""
+        entry = open_rounds.get(reply.round)
+        if entry is None or reply.sender not in entry.waiting():
+            self.logger.warning(
+                "dropped %s for round %d from %s (no such round in flight awaits it)",
+                quote(reply.kind),
+                reply.round,
+                reply.sender,
+            )
+            return
+        if reply.kind == P.REFUSED:
+            # the round cannot complete: tell the active party who refused and why
+            reason = one_line(str(reply.meta.get("reason", "refused")))
+            self.logger.error("round %d refused by %s: %s", reply.round, reply.sender, reason)
+            self._send_result(self.rounds.refused(entry.call, {reply.sender: reason}))
+            # the active party stops when it reaches that round: the rounds in flight after it
+            # end here, and every role stops with the refusal as its cause
+            raise P.RunAborted(
+                f"{entry.call.op} (round {reply.round}) was refused by a party's release policy: "
+                f"{reply.sender}: {reason}; the calls in flight were dropped, nothing more is "
+                "released",
+                refused=True,
+            )
+        if reply.kind != P.CONTRIB:
+            self.logger.warning(
+                "dropped %s for round %d from %s", quote(reply.kind), reply.round, reply.sender
+            )
+            return
+        try:
+            mine = self.rounds.accept(entry.call, reply)
+        except (ContributionError, ValueError) as exc:
+            self.rejected += 1
+            self.logger.warning(
+                "rejected round %d contribution from %s: %s", reply.round, reply.sender, exc
+            )
+            return
+        for key, value in mine.items():
+            entry.accepted[key][reply.sender] = value
+        entry.replies[reply.sender] = reply
+        if not entry.waiting():
+            self._send_result(self.rounds.result(entry.call, entry.replies, entry.accepted))
+            del open_rounds[reply.round]
+
+    def _send_result(self, env: Envelope) -> None:
+        try:
+            self._send(self.active, env)
+        except TransportError as exc:  # gone before its heartbeat expired
+            raise P.RunAborted(f"cannot reach {self.active!r}: {exc}", lost=self.active) from None
 
     def _missed(self, late: list[str], env: Envelope) -> list[str]:
         """Count a missed deadline for each of `late`; returns those that missed

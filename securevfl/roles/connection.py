@@ -201,3 +201,47 @@ class RoleConnection:
 
     def close(self) -> None:
         self.peer.close()
+
+
+class RoundExchange:
+    """The active party's exchange over its connection: `send` a call envelope, `receive` the
+    result of a round sent before. Several rounds may be in flight ([network] pipeline_depth):
+    a result that arrives for another round in flight is kept until it is asked for; anything
+    else is logged and dropped. Calling it sends and waits in one step."""
+
+    def __init__(self, conn: RoleConnection, cfg: RunConfig, logger: logging.Logger) -> None:
+        self.conn = conn
+        self.cfg = cfg
+        self.logger = logger
+        self._sent: set[int] = set()
+        self._results: dict[int, Envelope] = {}
+
+    def __call__(self, env: Envelope) -> Envelope:
+        self.send(env)
+        return self.receive(env.round, f"round {env.round} ({env.meta.get('op')})")
+
+    def send(self, env: Envelope) -> None:
+        self.conn.send(env)
+        self._sent.add(env.round)
+
+    def receive(self, round: int, what: str) -> Envelope:
+        """The result of `round` (sent before); raises `RunAborted` as the connection does."""
+        if round not in self._sent:
+            raise ValueError(f"no call of round {round} is in flight")
+        while round not in self._results:
+            reply = self.conn.recv(
+                timeout=self.cfg.round_timeout + self.cfg.peer_timeout,
+                waiting_for=f"the result of {what}",
+            )
+            if (
+                reply.kind == P.RESULT
+                and reply.round in self._sent
+                and reply.round not in self._results
+            ):
+                self._results[reply.round] = reply
+                continue
+            self.logger.warning(
+                "dropped %r for round %d while waiting for round %d", reply.kind, reply.round, round
+            )
+        self._sent.discard(round)
+        return self._results.pop(round)

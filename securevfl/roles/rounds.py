@@ -9,6 +9,13 @@ None of them touches a socket: the roles (`roles/active.py`, `roles/aggregator.p
 `roles/party.py`) move envelopes over ZeroMQ (TCP between processes or inproc between threads),
 and `securevfl.direct` moves the same envelopes in memory. So DP, the ledger, budgets, the
 min_group rule and checkpoints are the same on every path.
+
+Several rounds may be in flight ([network] pipeline_depth > 0, for a method that declares
+`MethodSpec.tolerates_staleness`): the active party posts the forwards of the next batches
+before a batch's sum returns (`ActiveRound.post` / `wait`), the aggregator routes each
+contribution to its round by round id (`Aggregator._serve_pipelined`), and every party still
+runs its calls one by one in round order, each checked here as its own call. A round's sums
+combine only that round's contributions (its own masks).
 """
 
 from __future__ import annotations
@@ -306,6 +313,7 @@ class PartyRound:
         tensors: dict[str, np.ndarray] = {}
         shapes: dict[str, list[int]] = {}
         for call in calls:
+            self.method.call_round = call.round  # what a method keys per-call state by
             self._check(call)
             if call.op == P.OP_SETUP:
                 tensors.update(self._setup(call))

@@ -50,7 +50,8 @@ def run_alignment(tmp_path, n: int, overlap: float = 0.5, parties=("bank", "shop
         raw["network"] = dict(network)
     raw["run"]["min_group"] = 1
     cfg = parse_config(raw, source=tmp_path / "c.toml")
-    generate_keys(cfg.role_names, tmp_path / "keys")
+    if not (tmp_path / "keys" / "public.json").exists():  # a run again keeps the keys
+        generate_keys(cfg.role_names, tmp_path / "keys")
     sent: list = []
     for cls in (Hub, Peer):  # record every envelope that leaves either side
         original = cls.send
@@ -133,7 +134,7 @@ def test_align_gives_both_sides_exactly_the_intersection_and_sends_only_blinded_
                 assert not hashes & set(points), "an unblinded H(id) crossed"
             else:
                 assert name == "positions" and t.dtype == np.int64
-    assert kinds == {"psi-join", "psi-blinded", "psi-reply", "psi-matches"}
+    assert kinds == {"psi-join", "psi-start", "psi-blinded", "psi-reply", "psi-matches"}
 
 
 def test_the_label_holder_keeps_heartbeating_while_it_blinds(

@@ -122,6 +122,7 @@ def test_an_inproc_federation_fused_equals_unfused(tmp_path):
 
 
 def two_calls(fed, *, first="backward", second="forward", ids=None):
+    """A backward for the last call sent (`train_forward`'s, when it was), then a forward."""
     ids = fed.train_ids[:8] if ids is None else ids
     r = fed.round
     backward = Call(
@@ -129,6 +130,7 @@ def two_calls(fed, *, first="backward", second="forward", ids=None):
         round=r + 1,
         session=fed.session_hex,
         ids=ids,
+        args={"forward": r},
         inputs={"grad": np.full((len(ids), fed.config.width), 0.1, dtype=np.float32)},
         to=PARTIES,
     )
@@ -257,6 +259,7 @@ def test_a_declared_pair_is_still_checked_op_by_op(fed):
     # a sum over one party, riding behind an honest backward: the min_group rule holds (the
     # first envelope's backward ran before its forward was refused: train a forward again)
     train_forward(fed)
+    backward, forward = two_calls(fed)
     alone = replace(
         forward, to=("alpha",), sums=(SumSpec(key="S", tensor="rep", group=("alpha",)),)
     )
@@ -338,7 +341,7 @@ def test_an_update_is_never_lost_at_the_end_of_training(tmp_path):
     )
     before = encoder_weights(fed)
     grad = np.ones((len(ids), fed.config.width), dtype=np.float32)
-    fed.return_gradients({PARTIES: {"grad": grad}}, ids=ids, epoch=0)
+    fed.return_gradients({PARTIES: {"grad": grad}}, ids=ids, epoch=0, args={"forward": fed.round})
     assert fed._held is not None  # held back for the next forward
     assert all(torch.equal(a, b) for a, b in zip(before, encoder_weights(fed), strict=True))
     fed.flush()
@@ -378,8 +381,11 @@ def attacker(tmp_path_factory):
 
 
 def hostile_pair(a, *, first="backward", rounds=None):
+    """A backward for the attacker's last call (a training forward on a.ids[:32]), then a
+    training forward."""
     from tests.securevfl.test_hostile_roles import PARTIES as REAL
 
+    forward_round = a.round
     r1, r2 = rounds if rounds is not None else (a.round + 1, a.round + 2)
     a.round = max(a.round, r2)
     update = Call(
@@ -387,6 +393,7 @@ def hostile_pair(a, *, first="backward", rounds=None):
         round=r1,
         session=a.session.hex(),
         ids=a.ids[:32],
+        args={"forward": forward_round},
         inputs={"grad": np.full((32, 4), 0.01, dtype=np.float32)},
         to=REAL,
     )

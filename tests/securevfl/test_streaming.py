@@ -36,9 +36,9 @@ NETWORK = {
 }
 
 
-def write_table(path: Path, n: int = 360, seed: int = 0) -> None:
+def write_table(path: Path, n: int = 360, seed: int = 0, *, gaps: bool = True) -> None:
     """String ids, categorical columns with `?` cells, a yes/no column, numbers, a text label;
-    every 13th row lacks party web's block (its cells empty)."""
+    with `gaps`, every 13th row lacks party web's block (its cells empty)."""
     rng = np.random.default_rng(seed)
     jobs = np.array(["admin", "cook", "pilot", "nurse"])
     lines = ["customer,job,city,score,member,income,visits,device,outcome"]
@@ -50,7 +50,7 @@ def write_table(path: Path, n: int = 360, seed: int = 0) -> None:
         device = rng.choice(["ios", "android", "web"])
         signal = score + income + (member == "yes") + 0.5 * visits + (job == "pilot")
         y = "churn" if signal > 0.8 else "stay"
-        web = ("", "") if i % 13 == 7 else (f"{visits:.4f}", device)
+        web = ("", "") if gaps and i % 13 == 7 else (f"{visits:.4f}", device)
         lines.append(
             f"cust-{i:05d},{job},{city},{score:.4f},{member},{income:.4f},{web[0]},{web[1]},{y}"
         )
@@ -115,14 +115,26 @@ def test_a_streamed_table_gives_the_encoded_rows_and_summaries_of_one_in_memory(
     assert len(tables.load_party_table(kept["web"], cfg, "web").ids) < 360  # unheld rows dropped
 
 
+@pytest.mark.parametrize("method", ["laser", "splitnn"])
 def test_a_file_forced_to_stream_trains_to_the_metrics_of_the_same_file_in_memory(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, method
 ):
     """[data] stream = true on a file of a few kB (read 2 kB at a time) against stream = false,
-    same seed, through the roles of a mask-aggregated LASER federation (in-process transport)."""
+    same seed, through the roles of a mask-aggregated federation (in-process transport); a
+    streamed role never reads more than a batch's rows at once (no whole-table scaler fit or
+    epoch order in memory)."""
     from securevfl import inproc
 
     seen: list[tuple[str, bool]] = []
+    widest: list[int] = []  # rows read at once from a streamed table
+    original_rows = tables.PartyTable.rows
+
+    def counting_rows(self, ids):
+        if self.streamed:
+            widest.append(len(ids))
+        return original_rows(self, ids)
+
+    monkeypatch.setattr(tables.PartyTable, "rows", counting_rows)
 
     def recording(load):
         def wrapped(path, cfg, *args, **kwargs):
@@ -138,9 +150,9 @@ def test_a_file_forced_to_stream_trains_to_the_metrics_of_the_same_file_in_memor
     for stream in (False, True):
         directory = tmp_path / f"stream-{stream}"
         directory.mkdir()
-        write_table(directory / "data.csv")
+        write_table(directory / "data.csv", gaps=method != "splitnn")  # splitnn: complete rows
         seen.clear()
-        cfg = config(directory, stream=stream)
+        cfg = config(directory, stream=stream, method=method)
         code, metrics = inproc.run_federation(cfg, out=directory / "run", stdout=io.StringIO())
         assert code == 0, (directory / "run" / "logs" / "active.log").read_text()[-3000:]
         assert sorted(seen) == sorted((r, stream) for r in ("active", "crm", "bank", "web"))
@@ -157,6 +169,8 @@ def test_a_file_forced_to_stream_trains_to_the_metrics_of_the_same_file_in_memor
         else:
             assert streamed["test"][key] == value, key
     assert memory["test"]["accuracy"] > 0.8  # it learned
+    # a training batch (32) or an evaluation chunk of the test rows, never the training set
+    assert widest and max(widest) <= max(32, streamed["n_test"]) < streamed["n_train"], widest
 
 
 def test_the_row_cache_is_in_the_roles_own_run_directory_and_leaves_with_the_table(

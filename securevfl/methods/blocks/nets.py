@@ -71,6 +71,18 @@ class Standardizer:
         self.std = np.where(np.nan_to_num(std) > 1e-12, np.nan_to_num(std), 1.0)
         return self
 
+    def fit_table(self, table: Any, ids: np.ndarray) -> Standardizer:
+        """Fitted on the encoded rows of `ids` in `table`. A table streamed from disk is
+        summarised a block at a time (`column_summary`), never read whole into memory; the
+        result equals `fit(table.rows(ids))` to rounding (~1e-15 relative)."""
+        if not getattr(table, "streamed", False):
+            return self.fit(table.rows(ids))
+        summary = table.column_summary(ids)
+        std = np.nan_to_num(summary["std"])
+        self.mean = np.nan_to_num(summary["mean"])
+        self.std = np.where(std > 1e-12, std, 1.0)
+        return self
+
     def transform(self, values: np.ndarray) -> np.ndarray:
         if self.mean is None:
             raise RuntimeError("Standardizer.transform before fit")
@@ -123,3 +135,17 @@ def batches(ids: np.ndarray, batch_size: int, *, seed: int, epoch: int) -> list[
     rng = np.random.default_rng([seed, epoch, 0xBA7C])
     perm = rng.permutation(ids)
     return [perm[i : i + batch_size] for i in range(0, len(perm), batch_size)]
+
+
+def table_batches(
+    table: Any, ids: np.ndarray, batch_size: int, *, seed: int, epoch: int
+) -> Iterable[np.ndarray]:
+    """`batches` of `ids`; for a table streamed from disk the same batches one at a time from
+    an order kept in a file of its row cache (`rowarrays.shuffled_batches`), so an epoch keeps
+    nothing per row in memory."""
+    if not getattr(table, "streamed", False):
+        return batches(ids, batch_size, seed=seed, epoch=epoch)
+    from securevfl.data.rowarrays import shuffled_batches
+
+    arrays = table.rowstore.arrays()
+    return shuffled_batches(ids, batch_size, seed=seed, epoch=epoch, arrays=arrays)
