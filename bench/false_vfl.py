@@ -30,6 +30,8 @@ FALSE-VFL epoch on digits over real processes (`securevfl run`), mask beside pla
     python bench/false_vfl.py --quick --datasets digits --seeds 0        # minutes
     python bench/false_vfl.py --datasets digits --train mcar5,mnar7,mcar2  # the digits table
     python bench/false_vfl.py --datasets credit --credit-rows 3000         # the Credit table
+    python bench/false_vfl.py --datasets credit --credit-rows 0 --train mcar5  # whole Credit
+                                                  # (30000 rows; false_vfl_rows30000.md, ...png)
     python bench/false_vfl.py --path federated --methods false1,false2     # FALSE-VFL, engine
     python bench/false_vfl.py --overhead                                   # mask vs plain epoch
     python bench/false_vfl.py --report-only
@@ -76,6 +78,8 @@ LABELS = {
     "laser": "LASER-VFL",
     "plugvfl": "PlugVFL",
 }
+DEFAULT_CREDIT_ROWS = 3000  # the main table's Credit subsample
+DEFAULT_SEEDS = (0, 1, 2)  # the main table's seeds
 ENGINE = {"false1": "false-vfl", "false2": "false-vfl", "vanilla": "vanilla-vfl"}
 POLICY = {"aggregations": ["plain", "mask", "ckks"], "min_group": 2}
 
@@ -159,6 +163,7 @@ def write_data(directory: Path, dataset: str, *, credit_rows: int) -> dict[str, 
     elif dataset == "credit":
         cols = [f"X{i}" for i in range(1, 21)]
         ids, values, labels = read_csv_columns(CREDIT, id_column="ID", columns=cols, label="Y")
+        credit_rows = resolve_credit_rows(credit_rows, len(ids))
         keep = np.sort(np.random.default_rng(0).permutation(len(ids))[:credit_rows])
         path = directory / "credit.csv"
         write_csv(
@@ -175,6 +180,44 @@ def write_data(directory: Path, dataset: str, *, credit_rows: int) -> dict[str, 
     else:
         raise ValueError(f"unknown data set {dataset!r}")
     return {"data": data, "parties": {p: {"columns": c} for p, c in parties.items()}}
+
+
+def resolve_credit_rows(requested: int, available: int) -> int:
+    """`--credit-rows` as a row count: 0 means the whole table (`available` rows); a count above
+    the table's or below 0 is refused (ValueError naming the table's size)."""
+    if requested == 0:
+        return available
+    if not 0 < requested <= available:
+        raise ValueError(
+            f"--credit-rows {requested}: give 1..{available} rows of {CREDIT.name}, or 0 for all "
+            f"{available}"
+        )
+    return requested
+
+
+def credit_table_rows() -> int:
+    """Rows of the Credit table (its data lines), read without parsing the values."""
+    with CREDIT.open("rb") as fh:
+        return sum(1 for line in fh if line.strip()) - 1
+
+
+def report_suffix(datasets: Sequence[str], credit_rows: int, seeds: Sequence[int]) -> str:
+    """File-name suffix of a report whose setting differs from the main table's (Credit at a
+    size other than the 3000-row subsample: `_rows30000`; seeds other than 0, 1, 2:
+    `_seeds0-7`), so that its markdown and figures sit beside the main table's instead of
+    replacing them."""
+    suffix = ""
+    if "credit" in datasets and credit_rows != DEFAULT_CREDIT_ROWS:
+        suffix += f"_rows{credit_rows}"
+    if list(seeds) != list(DEFAULT_SEEDS):
+        ordered = sorted(seeds)
+        contiguous = ordered == list(range(ordered[0], ordered[-1] + 1)) if ordered else False
+        suffix += (
+            f"_seeds{ordered[0]}-{ordered[-1]}"
+            if contiguous and len(ordered) > 1
+            else "_seeds" + "_".join(map(str, ordered))
+        )
+    return suffix
 
 
 def raw_config(
@@ -431,6 +474,7 @@ def report(
     """The markdown tables (and one PNG per data set) of what `results` holds: accuracy, and on
     Credit (binary, 78 % of rows in the majority class) also F1 of the positive class."""
     tag = ("_quick" if quick else "") + ("_federated" if path == "federated" else "")
+    suffix = report_suffix(datasets, credit_rows, seeds)
     lines = [
         f"# FALSE-VFL benchmark ({'quick' if quick else 'full'} setting)",
         "",
@@ -452,9 +496,13 @@ def report(
         + (f" --credit-rows {credit_rows}" if "credit" in datasets else "")
         + "`."
         + (
-            f" Credit: a seeded subsample of {credit_rows} rows (20 % test); 77.9 % of the "
-            "full table's rows are in the majority class (no default), so its F1 table (of "
-            "the positive class, %) follows the accuracy one."
+            (
+                f" Credit: a seeded subsample of {credit_rows} rows"
+                if credit_rows != credit_table_rows()
+                else f" Credit: the whole table, {credit_rows} rows"
+            )
+            + " (20 % test); 77.9 % of the full table's rows are in the majority class (no "
+            "default), so its F1 table (of the positive class, %) follows the accuracy one."
             if "credit" in datasets
             else ""
         ),
@@ -488,7 +536,7 @@ def report(
                     ]
                     lines.append(f"| {LABELS[method]} | " + " | ".join(row) + " |")
                 lines.append("")
-        png = out_dir / f"false_vfl_{dataset}{tag}.png"
+        png = out_dir / f"false_vfl_{dataset}{tag}{suffix}.png"
         drawn = plot(
             results,
             png,
@@ -681,7 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--train", default=",".join(TRAIN), help="training patterns")
     ap.add_argument("--tests", default=",".join(PATTERNS), help="test patterns")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument(
+        "--seeds",
+        default=",".join(map(str, DEFAULT_SEEDS)),
+        help="other seeds than 0,1,2 report to false_vfl*_seeds<...>.md/png",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer epochs (see `settings`)")
     ap.add_argument(
         "--path",
@@ -691,7 +743,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default; minutes) or the engine's round stages (`DirectFederation`; 2-4x slower)",
     )
     ap.add_argument("--jobs", type=int, default=1, help="parallel processes (at most 2 here)")
-    ap.add_argument("--credit-rows", type=int, default=3000, help="Credit subsample size")
+    ap.add_argument(
+        "--credit-rows",
+        type=int,
+        default=DEFAULT_CREDIT_ROWS,
+        help="Credit subsample size; 0 = the whole table (30000 rows). A size other than 3000 "
+        "reports to false_vfl*_rows<rows>.md/png",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--overhead", action="store_true", help="mask vs plain epoch, processes")
@@ -707,6 +765,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = sorted(set(given) - set(known))
         if unknown:
             ap.error(f"unknown {name}(s) {unknown}; known: {list(known)}")
+    if "credit" in datasets:
+        try:  # 0 = every row; the runs' keys and the reports name the count
+            args.credit_rows = resolve_credit_rows(args.credit_rows, credit_table_rows())
+        except (ValueError, OSError) as exc:
+            ap.error(str(exc))
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "_quick" if args.quick else ""
     path = args.out / f"false_vfl{tag}.json"
@@ -773,7 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         credit_rows=args.credit_rows,
     )
     federated = "_federated" if args.path == "federated" else ""
-    (args.out / f"false_vfl{tag}{federated}.md").write_text(text)
+    suffix = report_suffix(datasets, args.credit_rows, seeds)
+    (args.out / f"false_vfl{tag}{federated}{suffix}.md").write_text(text)
     print(text)
     return 0
 

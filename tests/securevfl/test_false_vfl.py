@@ -330,6 +330,29 @@ def bench_module():
     return bench
 
 
+def test_bench_credit_rows_zero_is_the_whole_table_and_reports_beside_the_main_table(tmp_path):
+    """`--credit-rows 0` means every row of the Credit table (a subsample of 0 rows would be
+    empty); sizes outside 1..rows are refused naming the table's size; a report at another
+    Credit size or other seeds than the main table's goes to its own files."""
+    bench = bench_module()
+    assert bench.resolve_credit_rows(0, 30000) == 30000
+    assert bench.resolve_credit_rows(3000, 30000) == 3000
+    for bad in (-1, 30001):
+        with pytest.raises(ValueError, match="1..30000 rows"):
+            bench.resolve_credit_rows(bad, 30000)
+    assert bench.report_suffix(["digits", "credit"], 3000, [0, 1, 2]) == ""
+    assert bench.report_suffix(["credit"], 30000, [0, 1, 2]) == "_rows30000"
+    assert bench.report_suffix(["digits"], 30000, [0, 1, 2]) == ""
+    assert bench.report_suffix(["digits"], 3000, range(8)) == "_seeds0-7"
+    assert bench.report_suffix(["credit"], 30000, [0, 2]) == "_rows30000_seeds0_2"
+    table = tmp_path / "credit.csv"
+    table.write_text("ID,X1,Y\n1,0.5,0\n2,1.5,1\n3,2.5,0\n\n")
+    bench.CREDIT = table
+    assert bench.credit_table_rows() == 3
+    with pytest.raises(SystemExit):  # argparse's error: the size names the table's
+        bench.main(["--datasets", "credit", "--credit-rows", "4", "--report-only"])
+
+
 def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
     """bench/false_vfl.py trains FALSE-VFL's accuracy grid through the single-process reference
     on the federation's own rows: its blocks are each party's z-scored rows (what `encode`
@@ -352,17 +375,19 @@ def test_bench_reference_path_reads_what_the_parties_read(tmp_path):
 @pytest.mark.parametrize("variant", ["mar", "mnar"])
 def test_engine_mixed_batches_compute_what_the_reference_computes(tmp_path, variant):
     """Through the engine (plain, mixed batches: one call per batch over every party, absent
-    parties adding zeros) stage 1 and prediction are `FalseVFLReference`'s math on the same rows,
-    batches, initial weights and noise: every epoch's loss and every test probability agree
-    within float tolerance (the sums' order differs)."""
+    parties adding zeros) stage 1, stage 2 and prediction are `FalseVFLReference`'s math on the
+    same rows, batches, initial weights and noise: every epoch's loss and every test probability
+    agree within float tolerance (the sums' order differs). Stage 2 draws its importance samples
+    of both epochs up front (`_draw_bank`, 2 * kappa per labeled row, one call); the reference
+    draws the same samples from the same generators and runs the same discriminator steps."""
     from securevfl.methods.blocks.nets import derived_seed
-    from securevfl.methods.false_vfl.active import mixed_batches
+    from securevfl.methods.false_vfl.active import EVAL_ROWS, mixed_batches
     from securevfl.methods.false_vfl.model import config_from_options
     from securevfl.methods.false_vfl.reference import FalseVFLReference
 
-    epochs = 3
+    epochs, epochs2 = 3, 2
     raw = raw_config(
-        tmp_path, variant=variant, stage1_epochs=epochs, stage2_epochs=0, batching="mixed"
+        tmp_path, variant=variant, stage1_epochs=epochs, stage2_epochs=epochs2, batching="mixed"
     )
     fed = federation(tmp_path, "engine", raw)
     cfg, opts = fed.config, fed.config.options
@@ -381,7 +406,9 @@ def test_engine_mixed_batches_compute_what_the_reference_computes(tmp_path, vari
         for key, value in ref.parties[k].state_dict().items():
             assert torch.equal(value, mine[key]), (name, key)
     fed.fit()
-    assert all(h["steps"] == h["batches"] for h in fed.history)  # one call pair per step
+    # one call pair per stage-1 step; stage 2 one bank draw in its first epoch, then none
+    assert all(h["steps"] == h["batches"] for h in fed.history[:epochs])
+    assert [h["batches"] for h in fed.history[epochs:]] == [1.0] + [0.0] * (epochs2 - 1)
     optimizers = [
         torch.optim.Adam(m.parameters(), lr=opts.stage1_lr, weight_decay=opts.weight_decay)
         for m in ref.parties
@@ -401,6 +428,29 @@ def test_engine_mixed_batches_compute_what_the_reference_computes(tmp_path, vari
             for opt in optimizers:
                 opt.step()
         assert fed.history[epoch]["loss"] == pytest.approx(loss_sum / n, rel=1e-4), epoch
+    # stage 2: the labeled training rows' samples of both epochs, then phi's steps per epoch
+    lab_ids = fed.train_ids[fed.active_table.labeled(fed.train_ids)]
+    assert 0 < len(lab_ids) <= EVAL_ROWS  # the engine draws them in one chunk
+    xl, pl = bench.party_blocks(fed, lab_ids)
+    log_w, h = ref.log_weights(xl, pl, epochs2 * opts.kappa)
+    y = torch.as_tensor(fed.active_table.label_rows(lab_ids)).long()
+    phi_opt = torch.optim.Adam(
+        ref.active.discriminator.parameters(), lr=opts.stage2_lr, weight_decay=opts.weight_decay
+    )
+    for e in range(epochs2):
+        cut = slice(e * opts.kappa, (e + 1) * opts.kappa)
+        perm = np.random.default_rng([cfg.seed, epochs + e, 0x57A2]).permutation(len(lab_ids))
+        loss_sum = 0.0
+        for start in range(0, len(perm), opts.stage2_batch):
+            b = torch.as_tensor(perm[start : start + opts.stage2_batch])
+            phi_opt.zero_grad(set_to_none=True)
+            loss = -ref.active.conditional_bound(log_w[b, cut], h[b, cut], y[b]).mean()
+            loss.backward()
+            phi_opt.step()
+            loss_sum += float(loss.detach()) * len(b)
+        stats = fed.history[epochs + e]
+        assert stats["stage"] == 2.0 and stats["rows"] == len(lab_ids)
+        assert stats["loss"] == pytest.approx(loss_sum / len(lab_ids), rel=1e-4), e
     xt, pt = bench.party_blocks(fed, fed.test_ids)
     with torch.no_grad():
         expected = ref.predict_proba(xt, pt).numpy()
