@@ -592,3 +592,50 @@ def test_the_bench_samples_bank_rows_stratified_and_the_same_every_time(tmp_path
     jobs = bench.jobs_for(["bank", "synthetic"], ["designs"], [42], "full", 300)
     assert {j.get("rows") for j in jobs if j["dataset"] == "bank"} == {300}
     assert all("rows" not in j for j in jobs if j["dataset"] == "synthetic")
+
+
+def test_the_bench_keeps_full_table_schedules_apart(tmp_path):
+    """bench/tabvfl.py --bank-full-epochs: the full table's runs carry their caps in the job
+    (so a rerun with other caps is new runs, not skipped), the default stays 50 + 50, and the
+    report puts each schedule in its own section (never averaged together), with the best
+    epochs shown."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tabvfl.py"
+    spec = importlib.util.spec_from_file_location("bench_tabvfl_sched", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    old = bench.jobs_for(["bank"], ["designs"], [42], "full", 0, designs=["tabvfl"])
+    new = bench.jobs_for(
+        ["bank"], ["designs"], [42], "full", 0, designs=["tabvfl"], bank_full_epochs=[150, 150]
+    )
+    assert old[0]["schedule"]["epochs"] == [50, 50]
+    assert new[0]["schedule"]["epochs"] == [150, 150]
+    assert bench.SIZES["full"]["bank_full"]["epochs"] == [50, 50]  # not mutated
+    assert bench.key_of(old[0]) != bench.key_of(new[0])
+    assert bench.section(old[0]) != bench.section(new[0])
+
+    def entry(job, f1, best):
+        metrics = {"latent_f1": f1, "latent_accuracy": 0.9, "latent_roc_auc": 0.8}
+        return {
+            "job": job,
+            "result": {
+                "metrics": metrics,
+                "epochs": {"pretrain": best + 1, "finetune": 3},
+                "best_epoch": {"pretrain": best, "finetune": 1},
+                "seconds": 1.0,
+            },
+        }
+
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text(
+        json.dumps(entry(old[0], 0.5, 49)) + "\n" + json.dumps(entry(new[0], 0.7, 80)) + "\n"
+    )
+    text = bench.report(runs, tmp_path / "r.md", tmp_path / "r.png", "full", "cmd")
+    rows = [line for line in text.splitlines() if line.startswith("| bank, all rows")]
+    assert len(rows) == 2, rows
+    assert any("≤ 50 + 50 epochs" in r and "0.5000" in r and "50+2" in r for r in rows)
+    assert any("≤ 150 + 150 epochs" in r and "0.7000" in r and "81+2" in r for r in rows)
+    assert "at most 150 + 150 epochs" in text and "at most 50 + 50 epochs" in text
