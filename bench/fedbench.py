@@ -241,6 +241,8 @@ def run_federation(
         "mbit": mbit if rtt_ms is not None else None,
         # one exchange per batch when the method fuses backward(t) with forward(t+1)
         "fuse_rounds": bool(cfg.fuse_rounds),
+        # forwards in flight beyond the awaited one ([network] pipeline_depth; 0: none)
+        "pipeline_depth": int(cfg.pipeline_depth),
         "exit_codes": codes,
         "ok": all(c == 0 for c in codes.values()) and not killed,
         "terminated": killed,

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ def plan(quick: bool) -> dict[str, Any]:
                     ["ckks", None],
                     ["plain", 10.0],
                     ["mask", 10.0],
+                    ["mask", 10.0, 8],  # [network] pipeline_depth = 8
                 ],
                 "mbit": 100.0,
             },
@@ -114,6 +116,10 @@ def plan(quick: bool) -> dict[str, Any]:
                 ["mask", 10.0],
                 ["plain", 50.0],
                 ["mask", 50.0],
+                # pipelined split-NN ([network] pipeline_depth = 8): loopback, 10 and 50 ms
+                ["mask", None, 8],
+                ["mask", 10.0, 8],
+                ["mask", 50.0, 8],
             ],
             "mbit": 100.0,
         },
@@ -343,17 +349,21 @@ class Bench:
         runs: list[dict[str, Any]] = []
         not_run: dict[str, Any] = {"not_run": []}
         for rep in range(p["repeats"]):
-            for mode, rtt in p["points"]:
-                label = f"credit {mode} {_net(rtt)} (repeat {rep + 1}/{p['repeats']})"
+            for mode, rtt, *rest in p["points"]:
+                depth = int(rest[0]) if rest else 0
+                tag = _net(rtt) + (f" depth {depth}" if depth else "")
+                label = f"credit {mode} {tag} (repeat {rep + 1}/{p['repeats']})"
                 if self.over_budget(not_run, label):
                     self.advance()
                     continue
                 self.step(label)
                 raw = F.config_raw(ds, aggregation=mode, epochs=p["epochs"], batch_size=256)
+                if depth:
+                    raw["network"]["pipeline_depth"] = depth
                 r = F.run_federation(
                     prep,
                     raw,
-                    self.work / "credit" / f"r{rep}-{mode}-{_net(rtt)}",
+                    self.work / "credit" / f"r{rep}-{mode}-{_net(rtt)}-d{depth}",
                     rtt_ms=rtt,
                     mbit=p["mbit"],
                 )
@@ -667,6 +677,8 @@ def _pool(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def summarise_credit(runs: Sequence[Mapping[str, Any]], *, mbit: float) -> dict[str, Any]:
+    piped = [r for r in runs if r.get("pipeline_depth")]
+    runs = [r for r in runs if not r.get("pipeline_depth")]
     keys = list(dict.fromkeys((r["aggregation"], r["rtt_ms"]) for r in runs))
     points = {k: _pool([r for r in runs if (r["aggregation"], r["rtt_ms"]) == k]) for k in keys}
     table = [{"key": f"{m}@{_net(rtt)}", **points[m, rtt]} for m, rtt in keys]
@@ -692,7 +704,59 @@ def summarise_credit(runs: Sequence[Mapping[str, Any]], *, mbit: float) -> dict[
         if rtt and proxy0 and proxy0.get("ok"):
             w["ratio_to_proxy_0ms"] = pt["median_epoch_seconds"] / proxy0["median_epoch_seconds"]
         wan.append(w)
-    return {"runs": list(runs), "points": table, "overhead": overhead, "wan": wan, "mbit": mbit}
+    return {
+        "runs": list(runs) + piped,
+        "points": table,
+        "overhead": overhead,
+        "wan": wan,
+        "pipelined": summarise_pipelined(piped, points),
+        "mbit": mbit,
+    }
+
+
+def _epoch_ratio(point: Mapping[str, Any], other: Mapping[str, Any]) -> float | None:
+    if not other.get("ok"):
+        return None
+    return point["median_epoch_seconds"] / other["median_epoch_seconds"]
+
+
+def summarise_pipelined(
+    piped: Sequence[Mapping[str, Any]], unpiped: Mapping[tuple[str, Any], Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Pipelined points ([network] pipeline_depth = d): each against the unpipelined loopback
+    epoch of the same mode (the issue's "its loopback time"), its own depth on loopback, and
+    the unpipelined run on the same network; the test ROC-AUC shows what staleness costs."""
+    keys = list(dict.fromkeys((r["aggregation"], r["rtt_ms"], r["pipeline_depth"]) for r in piped))
+    points = {
+        k: _pool([r for r in piped if (r["aggregation"], r["rtt_ms"], r["pipeline_depth"]) == k])
+        for k in keys
+    }
+    out = []
+    for (m, rtt, d), pt in points.items():
+        if not pt.get("ok"):
+            continue
+        base = unpiped.get((m, None), {})
+        same_net = unpiped.get((m, rtt), {})
+        own_loop = points.get((m, None, d), {})
+
+        ratio = partial(_epoch_ratio, pt)
+
+        out.append(
+            {
+                "aggregation": m,
+                "rtt_ms": rtt,
+                "depth": d,
+                "median_epoch_seconds": pt["median_epoch_seconds"],
+                "epochs_pooled": len(pt["epoch_seconds"]),
+                "ratio_to_loopback_depth0": ratio(base),
+                "ratio_to_loopback_same_depth": ratio(own_loop) if rtt is not None else None,
+                "ratio_to_depth0_same_network": ratio(same_net) if rtt is not None else None,
+                "roc_auc": (pt.get("test") or {}).get("roc_auc"),
+                "roc_auc_depth0": (same_net.get("test") or base.get("test") or {}).get("roc_auc"),
+                "load": pt.get("load"),
+            }
+        )
+    return out
 
 
 def wan_analysis(
@@ -1127,6 +1191,62 @@ def _not_run(r: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _render_pipelined(piped: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pipelined points: epoch against the unpipelined loopback epoch (the floor's
+    reference), against the same depth on loopback and against depth 0 on the same network,
+    and the test ROC-AUC (what the staleness costs)."""
+    if not piped:
+        return []
+    lines = [
+        "#### Pipelined batches (`[network] pipeline_depth`)",
+        "",
+        md_table(
+            [
+                "aggregation @ network",
+                "depth",
+                "median epoch (s)",
+                "epochs pooled",
+                "× depth 0 on loopback",
+                "× same depth on loopback",
+                "× depth 0 on this network",
+                "test ROC-AUC (depth 0)",
+                "load (1 min) before",
+            ],
+            [
+                [
+                    f"{p['aggregation']}@{_net(p['rtt_ms'])}",
+                    p["depth"],
+                    p["median_epoch_seconds"],
+                    p["epochs_pooled"],
+                    p["ratio_to_loopback_depth0"],
+                    p["ratio_to_loopback_same_depth"],
+                    p["ratio_to_depth0_same_network"],
+                    f"{_fmt(p['roc_auc'], 3)} ({_fmt(p['roc_auc_depth0'], 3)})",
+                    ", ".join(f"{x:.1f}" for x in p.get("load") or []),
+                ]
+                for p in piped
+            ],
+        ),
+        "",
+    ]
+    for p in piped:
+        if p["aggregation"] == "mask" and p["rtt_ms"] == 10 and p["ratio_to_loopback_depth0"]:
+            worst = max(
+                r for r in (p["ratio_to_loopback_depth0"], p["ratio_to_loopback_same_depth"]) if r
+            )
+            held = worst <= FLOOR_WAN_10MS
+            lines += [
+                f"**Floor: mask epoch at 10 ms RTT ≤ {FLOOR_WAN_10MS}× loopback, pipelined at "
+                f"depth {p['depth']}: {'holds' if held else 'does not hold'}** "
+                f"({_fmt(p['ratio_to_loopback_depth0'], 2)}× the unpipelined loopback epoch, "
+                f"{_fmt(p['ratio_to_loopback_same_depth'], 2)}× its own depth on loopback). The "
+                f"price is staleness: test ROC-AUC {_fmt(p['roc_auc'], 3)} against "
+                f"{_fmt(p['roc_auc_depth0'], 3)} unpipelined after the same epochs.",
+                "",
+            ]
+    return lines
+
+
 def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
     if not c:
         return []
@@ -1282,11 +1402,11 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 "every exchange crosses it 4 times. (`calls / batch` counts rounds: a fused "
                 "envelope carries two.)",
                 "",
-                "Pipelining is not implemented (a gap). To stay within 1.5× the "
-                "exposed latency per batch must fall below half a loopback batch. With "
-                "d batches in flight (the next batches' forwards while the previous backward "
-                "is on the wire, gradients d steps stale, equivalent at d = 0) the exposed "
-                "latency is about L/(d + 1), which needs:",
+                "To stay within 1.5× the exposed latency per batch must fall below half a "
+                "loopback batch. With d batches in flight (`[network] pipeline_depth`: the "
+                "next batches' forwards while the previous backward is on the wire, a party's "
+                "representation up to d updates stale; identical to the unpipelined run at "
+                "d = 0) the exposed latency is about L/(d + 1), which needs:",
                 "",
                 md_table(
                     ["protocol", "pipeline depth d needed at 10 ms"],
@@ -1303,6 +1423,7 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 "not implemented.",
                 "",
             ]
+        lines += _render_pipelined(c.get("pipelined") or [])
         if "wan.png" in made:
             lines += ["![wan](wan.png)", ""]
     return lines + _not_run(c)

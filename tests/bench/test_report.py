@@ -123,6 +123,32 @@ def test_credit_summary_gives_the_overhead_and_wan_ratios() -> None:
     assert w10["model_added_ms_per_batch"] == pytest.approx(40.0 + 10.88)
 
 
+def test_pipelined_points_are_judged_against_the_unpipelined_loopback_epoch() -> None:
+    """[network] pipeline_depth runs stay out of the overhead and WAN tables (those are the
+    unpipelined protocol) and get their own rows: against the depth-0 loopback epoch, their own
+    depth on loopback and depth 0 on the same network, with the ROC-AUC staleness costs."""
+    piped = [
+        {**_run("mask", None, 0.9), "pipeline_depth": 8, "test": {"roc_auc": 0.75}},
+        {**_run("mask", 10.0, 1.5), "pipeline_depth": 8, "test": {"roc_auc": 0.75}},
+    ]
+    runs = [_run("plain", None, 1.0), _run("mask", None, 1.2), _run("mask", 10.0, 6.0), *piped]
+    s = R.summarise_credit(runs, mbit=100.0)
+    assert s["overhead"]["mask"]["epoch_ratio"] == pytest.approx(1.2)  # depth 0 only
+    assert [w["rtt_ms"] for w in s["wan"]] == [10.0] and s["wan"][0]["ratio"] == pytest.approx(5)
+    loop, ten = s["pipelined"]
+    assert (loop["rtt_ms"], loop["depth"], ten["rtt_ms"]) == (None, 8, 10.0)
+    assert loop["ratio_to_loopback_depth0"] == pytest.approx(0.9 / 1.2)
+    assert loop["ratio_to_loopback_same_depth"] is None
+    assert ten["ratio_to_loopback_depth0"] == pytest.approx(1.5 / 1.2)
+    assert ten["ratio_to_loopback_same_depth"] == pytest.approx(1.5 / 0.9)
+    assert ten["ratio_to_depth0_same_network"] == pytest.approx(1.5 / 6.0)
+    assert (ten["roc_auc"], ten["roc_auc_depth0"]) == (0.75, 0.77)
+    md = "\n".join(R._render_pipelined(s["pipelined"]))
+    # the worse of the two ratios decides: 1.67x its own depth on loopback
+    assert "pipelined at depth 8: does not hold** (1.25× the unpipelined" in md
+    assert "test ROC-AUC 0.750 against 0.770" in md
+
+
 def test_federated_vs_centralised_floor_is_judged_on_both_bounds() -> None:
     def row(parties: int, wall_ratio: float, cpu_ratio: float | None) -> dict[str, Any]:
         return {"parties": parties, "ratio": wall_ratio, "ratio_to_cpu": cpu_ratio}
