@@ -191,13 +191,20 @@ class Aggregator:
 
     # -- one round ---------------------------------------------------------------------------
 
-    def _round(self, env: Envelope) -> None:
+    def _newer(self, env: Envelope) -> bool:
+        """Whether `env` is a call for a round after the last one seen (the active party's
+        rounds only grow); an older one is dropped and logged."""
         if env.round <= self.last_round:
             self.logger.warning(
                 "dropped call for round %d (already at %d)", env.round, self.last_round
             )
-            return
+            return False
         self.last_round = env.round
+        return True
+
+    def _round(self, env: Envelope) -> None:
+        if not self._newer(env):
+            return
         call = self.rounds.open(env)
         gone = sorted(set(call.to) & self.dead)
         if gone:  # the active party has not yet heard of the loss: tell it, run nothing
@@ -312,12 +319,8 @@ class Aggregator:
         return 2 * (self.cfg.pipeline_depth + 1)
 
     def _open(self, env: Envelope, open_rounds: dict[int, OpenRound], limit: int) -> None:
-        if env.round <= self.last_round:
-            self.logger.warning(
-                "dropped call for round %d (already at %d)", env.round, self.last_round
-            )
+        if not self._newer(env):
             return
-        self.last_round = env.round
         call = self.rounds.open(env)
         if len(open_rounds) >= limit:
             raise P.RunAborted(
