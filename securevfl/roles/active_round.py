@@ -20,7 +20,7 @@ from securevfl.errors import RunAborted
 from securevfl.methods import PartyDropped, SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import save_checkpoint
-from securevfl.roles.guard import call_tags
+from securevfl.roles.guard import call_tags, run_terms
 from securevfl.roles.rounds import Call, Exchange, fuse, readmits_late, sum_arrays
 from securevfl.secure_sum import (
     SumSession,
@@ -532,8 +532,7 @@ class ActiveRound:
         cfg = self.config
         inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
         # what the active party runs: each party compares it with its own config
-        run = {"method": cfg.method, "aggregation": cfg.aggregation, "min_group": cfg.min_group}
-        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run}
+        args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run_terms(cfg)}
         if scoring:
             args["predict"] = True
         if self.ckks_context is not None:

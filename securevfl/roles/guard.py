@@ -323,13 +323,25 @@ class CallGuard:
             )
         run = call.args.get("run", {})
         cfg = self.cfg
-        mine = {"method": cfg.method, "aggregation": cfg.aggregation, "min_group": cfg.min_group}
+        mine = run_terms(cfg)
         if not isinstance(run, dict) or any(run.get(k) != v for k, v in mine.items()):
             raise self.refuse(
                 "run",
                 f"the active party runs {run!r}, this party's config says {mine}: every role "
                 "must run the same federation config",
             )
+
+
+def run_terms(cfg: RunConfig) -> dict[str, Any]:
+    """What the active party announces at set-up and each party compares with its own config:
+    the method, the aggregation, min_group, and the pipeline depth (a party accepts only the
+    staleness its own config allows)."""
+    return {
+        "method": cfg.method,
+        "aggregation": cfg.aggregation,
+        "min_group": cfg.min_group,
+        "pipeline_depth": cfg.pipeline_depth,
+    }
 
 
 def call_tags(

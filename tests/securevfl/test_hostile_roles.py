@@ -193,7 +193,7 @@ class Attacker:
         return replies
 
     def setup(self):
-        run = {"method": "splitnn", "aggregation": "mask", "min_group": 2}
+        run = {"method": "splitnn", "aggregation": "mask", "min_group": 2, "pipeline_depth": 0}
         return self.call(
             "setup",
             ids=np.empty(0, dtype=np.int64),

@@ -459,3 +459,33 @@ def test_a_pipelined_party_with_dp_sgd_charges_every_step(tmp_path):
         steps[depth] = sum(e.steps for e in sgd)
         assert sgd and {e.role for e in sgd} == {"alpha"}
     assert steps[2] == steps[0] > 0
+
+
+def test_a_party_refuses_at_set_up_a_run_at_another_pipeline_depth(tmp_path):
+    """The staleness a party accepts is its own config's: a (modified) active party announcing
+    another pipeline depth at set-up is refused there, before any forward is computed."""
+    from securevfl.roles.guard import run_terms
+
+    fed = DirectFederation(config(tmp_path, depth=0), run_dir=tmp_path / "run")
+    for announced, refused in ((8, True), (0, False)):
+        fed.round += 1
+        call = Call(
+            op="setup",
+            round=fed.round,
+            session=fed.session_hex,
+            ids=np.empty(0, dtype=np.int64),
+            args={
+                "resume_epoch": -1,
+                "run": {**run_terms(fed.config), "pipeline_depth": announced},
+            },
+            inputs={"train_ids": fed.train_ids, "all_ids": fed.train_ids},
+            to=PARTIES,
+            collect=("present",),
+        )
+        env = signed(fed, fuse([call], sender="active"))
+        if refused:
+            with pytest.raises(PolicyRefusal) as info:
+                fed.party_rounds["alpha"].answer(env)
+            assert info.value.rule == "run" and "'pipeline_depth': 8" in info.value.detail
+        else:  # the same call at the party's own depth passes the check
+            fed.party_rounds["alpha"].guard._check_setup(call)
