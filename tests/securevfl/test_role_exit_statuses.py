@@ -207,7 +207,9 @@ def test_a_party_with_the_wrong_key_exits_2_within_seconds_naming_the_key(tmp_pa
     connecting = next(x for x in log if "connecting to the aggregator" in x)
     waited = ended - _log_time(connecting)
     print(f"{case}: exited {waited:.2f} s after connecting")
-    assert waited < 10.0, "the wrong key was found late"
+    # the start-up timeout is 120 s: half of it separates "found by the handshake" from "by the
+    # timeout" with room for a loaded 2-core machine (a 10 s bound failed once at load 20)
+    assert waited < 60.0, "the wrong key was found late"
     if case == "a key not in the allowlist":
         assert any("not in the federation allowlist" in r and "SHA256:" in r for r in records)
 
