@@ -77,7 +77,10 @@ class Standardizer:
         result equals `fit(table.rows(ids))` to rounding (~1e-15 relative)."""
         if not getattr(table, "streamed", False):
             return self.fit(table.rows(ids))
-        summary = table.column_summary(ids)
+        return self.fit_summary(table.column_summary(ids))
+
+    def fit_summary(self, summary: Mapping[str, np.ndarray]) -> Standardizer:
+        """Fitted from a column summary (`PartyTable.column_summary`: mean, population std)."""
         std = np.nan_to_num(summary["std"])
         self.mean = np.nan_to_num(summary["mean"])
         self.std = np.where(std > 1e-12, std, 1.0)

@@ -115,10 +115,7 @@ def fit_scaler(values: np.ndarray | Mapping[str, np.ndarray], cfg: RunConfig) ->
     none. Empty cells become 0 after scaling. `values` may instead be the rows' column summary
     (`PartyTable.column_summary`: mean, std, min, max), for a table streamed from disk."""
     if isinstance(values, Mapping):
-        scaler = Standardizer()
-        scaler.mean = np.nan_to_num(values["mean"])
-        std = np.nan_to_num(values["std"])
-        scaler.std = np.where(std > 1e-12, std, 1.0)
+        scaler = Standardizer().fit_summary(values)
     else:
         scaler = Standardizer().fit(values)
     kind = scaling_of(cfg)
