@@ -268,19 +268,28 @@ class Aggregator:
                     env.round,
                 )
                 continue
-            try:
-                mine = self.rounds.accept(call, reply)
-            except (ContributionError, ValueError) as exc:
-                self.rejected += 1
-                self.logger.warning(
-                    "rejected round %d contribution from %s: %s", env.round, reply.sender, exc
-                )
+            if not self._take(call, reply, accepted, replies):
                 continue
-            for key, value in mine.items():
-                accepted[key][reply.sender] = value
-            replies[reply.sender] = reply
             self.missed.pop(reply.sender, None)  # in time again
         self._send(self.active, self.rounds.result(call, replies, accepted))
+
+    def _take(
+        self, call: Any, reply: Envelope, accepted: Any, replies: dict[str, Envelope]
+    ) -> bool:
+        """Validate `reply`'s contribution to `call` and record it in `accepted` (per sum key,
+        per sender) and `replies`; a malformed one is rejected alone and logged (False)."""
+        try:
+            mine = self.rounds.accept(call, reply)
+        except (ContributionError, ValueError) as exc:
+            self.rejected += 1
+            self.logger.warning(
+                "rejected round %d contribution from %s: %s", reply.round, reply.sender, exc
+            )
+            return False
+        for key, value in mine.items():
+            accepted[key][reply.sender] = value
+        replies[reply.sender] = reply
+        return True
 
     # -- several rounds in flight ([network] pipeline_depth > 0) ------------------------------
 
@@ -364,17 +373,8 @@ class Aggregator:
                 "dropped %s for round %d from %s", quote(reply.kind), reply.round, reply.sender
             )
             return
-        try:
-            mine = self.rounds.accept(entry.call, reply)
-        except (ContributionError, ValueError) as exc:
-            self.rejected += 1
-            self.logger.warning(
-                "rejected round %d contribution from %s: %s", reply.round, reply.sender, exc
-            )
+        if not self._take(entry.call, reply, entry.accepted, entry.replies):
             return
-        for key, value in mine.items():
-            entry.accepted[key][reply.sender] = value
-        entry.replies[reply.sender] = reply
         if not entry.waiting():
             self._send_result(self.rounds.result(entry.call, entry.replies, entry.accepted))
             del open_rounds[reply.round]
