@@ -34,7 +34,7 @@ from securevfl.lazy import torch
 from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
-from securevfl.methods.blocks.batches import chunks
+from securevfl.methods.blocks.batches import RowKeys, chunks
 from securevfl.methods.blocks.evaluation import Prediction
 from securevfl.methods.blocks.nets import task_loss
 from securevfl.methods.blocks.options import (
@@ -155,28 +155,44 @@ class LaserActive(BlockActive):
             differencing_matters(self.config) if opts.families is None else opts.families
         )
         self.families: list[tuple[tuple[str, ...], ...]] = []
-        self.family_of_row: dict[int, int] = {}
+        # each row's family, drawn once: a dict in memory, a file of the row cache for a table
+        # streamed from disk (4 bytes a row, not a dict entry)
+        self.family_of_row: dict[int, int] | RowKeys = (
+            RowKeys(self.table)
+            if self.use_families and getattr(self.table, "streamed", False)
+            else {}
+        )
 
     def batch_keys(self, ids: np.ndarray, present: np.ndarray) -> np.ndarray | None:
         if not self.use_families:
             return None
         index = {f: i for i, f in enumerate(self.families)}
+        if isinstance(self.family_of_row, RowKeys):  # the batch's keys read and written at once
+            keys = self.family_of_row.get(ids)
+            new = np.flatnonzero(keys < 0)
+            for j in new.tolist():
+                keys[j] = self._draw_family(int(ids[j]), present[j], index)
+            self.family_of_row.put(ids[new], keys[new])
+            return keys
         keys = np.empty(len(ids), dtype=np.int64)
         for j, row in enumerate(ids.tolist()):
             if row not in self.family_of_row:
-                passive = tuple(
-                    b
-                    for b, on in zip(self.blocks, present[j], strict=True)
-                    if on and b != self.own_name
-                )
-                rng = np.random.default_rng([self.config.seed, 0xFA3, row % 2**63])
-                family = draw_family(passive, self.config.min_group, rng)
-                if family not in index:
-                    index[family] = len(self.families)
-                    self.families.append(family)
-                self.family_of_row[row] = index[family]
+                self.family_of_row[row] = self._draw_family(row, present[j], index)
             keys[j] = self.family_of_row[row]
         return keys
+
+    def _draw_family(self, row: int, present: np.ndarray, index: dict) -> int:
+        """The index (in `families`, added if new) of row `row`'s family, drawn from its present
+        passive blocks."""
+        passive = tuple(
+            b for b, on in zip(self.blocks, present, strict=True) if on and b != self.own_name
+        )
+        rng = np.random.default_rng([self.config.seed, 0xFA3, row % 2**63])
+        family = draw_family(passive, self.config.min_group, rng)
+        if family not in index:
+            index[family] = len(self.families)
+            self.families.append(family)
+        return index[family]
 
     def family_tasks(self, row: int, present: tuple[str, ...]) -> list[Task]:
         """The loss terms of a row's family (lost parties removed) over blocks `present`."""
@@ -261,9 +277,15 @@ class LaserActive(BlockActive):
         out["skipped_tasks_total"] = self.skipped_tasks_total
         if self.use_families:
             sizes: dict[str, int] = {}
-            for i in self.family_of_row.values():
+            if isinstance(self.family_of_row, RowKeys):
+                per_family = self.family_of_row.counts()
+            else:
+                per_family = {}
+                for i in self.family_of_row.values():
+                    per_family[i] = per_family.get(i, 0) + 1
+            for i, rows in sorted(per_family.items()):
                 key = "+".join(str(len(m)) for m in self.families[i]) or "none"
-                sizes[key] = sizes.get(key, 0) + 1
+                sizes[key] = sizes.get(key, 0) + rows
             out["row_families"] = sizes  # member sizes -> training rows
         return out
 

@@ -16,7 +16,7 @@ from securevfl.errors import ConfigError
 from securevfl.methods import examples
 from securevfl.methods.base import ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
-from securevfl.methods.blocks.batches import chunks, subset_code
+from securevfl.methods.blocks.batches import chunks
 from securevfl.methods.blocks.evaluation import Prediction
 from securevfl.methods.blocks.nets import task_loss
 from securevfl.methods.blocks.options import CLASSIFICATION, BlockOptions, check_block_options
@@ -85,9 +85,7 @@ class EnsembleActive(LocalActive):
         votes = np.zeros((len(ids), self.n_classes))
         for c in classes.values():
             votes[np.arange(len(ids)), c] += 1
-        rng = np.random.default_rng(
-            [self.config.seed, 0x707E, subset_code(present, self.blocks), len(ids)]
-        )
+        rng = self.pattern_rng(0x707E, present, len(ids))  # a streamed evaluation: by pattern
         top = votes == votes.max(axis=1, keepdims=True)
         noise = rng.random(votes.shape)
         joint = np.where(top, noise, -1.0).argmax(axis=1)

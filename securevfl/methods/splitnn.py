@@ -24,15 +24,15 @@ from securevfl.methods.base import (
     SumSpec,
     UnknownOperation,
 )
-from securevfl.methods.blocks.batches import chunks
+from securevfl.methods.blocks.batches import chunks, count_incomplete
 from securevfl.methods.blocks.nets import (
     Standardizer,
-    class_count,
     derived_seed,
     make_optimizer,
     mlp,
     output_dim,
     table_batches,
+    table_class_count,
     task_loss,
 )
 from securevfl.metrics import task_metrics
@@ -204,7 +204,7 @@ class SplitNNActive(ActiveMethod):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         cfg = self.config
-        self.n_classes = class_count(cfg.task, self.table.labels)
+        self.n_classes = table_class_count(cfg.task, self.table)
         self.head = mlp(
             cfg.width,
             cfg.head_hidden,
@@ -275,7 +275,7 @@ class SplitNNActive(ActiveMethod):
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         cfg = self.config
-        incomplete = int((~ctx.presence(train_ids).all(axis=1)).sum())
+        incomplete = count_incomplete(ctx, self.table, train_ids)
         if incomplete:
             raise ValueError(
                 f"splitnn needs every training row at every party, but {incomplete} rows are "

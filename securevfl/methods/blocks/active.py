@@ -17,14 +17,14 @@ import numpy as np
 
 from securevfl.lazy import nn, torch
 from securevfl.methods.base import ActiveContext, ActiveMethod, PartyDropped
-from securevfl.methods.blocks.batches import block_names, pattern_batches
+from securevfl.methods.blocks.batches import block_names, row_chunks, table_pattern_batches
 from securevfl.methods.blocks.evaluation import BlockEvaluation
 from securevfl.methods.blocks.nets import (
     Standardizer,
-    class_count,
     derived_seed,
     mlp,
     output_dim,
+    table_class_count,
     task_loss,
 )
 from securevfl.methods.blocks.options import block_optimizer, fit_scaler, lr_at
@@ -44,7 +44,7 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         cfg = self.config
         self.blocks = block_names(cfg)
         self.own_name = cfg.active_name if cfg.active_columns else None
-        self.n_classes = class_count(cfg.task, self.table.labels)
+        self.n_classes = table_class_count(cfg.task, self.table)
         # `two_logit_head`: Linear(d, 2) under softmax cross-entropy, as the paper's code (the
         # same function class as one logit under BCE; Adam moves the two at different speeds)
         two = cfg.task == "binary" and bool(cfg.options.two_logit_head)
@@ -152,6 +152,9 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         return group_allowed(self.config, group)
 
     def _own_inputs(self, ids: np.ndarray) -> Any:
+        if getattr(self.table, "streamed", False):  # scaled a batch at a time, never whole
+            x = self.own_scaler.transform(self.table.rows(ids))
+            return torch.from_numpy(x).to(self.device)
         if self._own_scaled is None:
             self._own_scaled = self.own_scaler.transform(self.table.values)
         return torch.from_numpy(self._own_scaled[self.table.positions(ids)]).to(self.device)
@@ -253,7 +256,13 @@ class BlockActive(BlockEvaluation, ActiveMethod):
                 self.lose(ctx, p)
 
     def presence_matrix(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
-        """Boolean [len(ids), len(blocks)]; lost parties' blocks count as missing."""
+        """Boolean [len(ids), len(blocks)]; lost parties' blocks count as missing. A table
+        streamed from disk is read `batches.EVAL_BATCH` rows at a time."""
+        if getattr(self.table, "streamed", False) and len(ids):
+            return np.concatenate([self._presence_rows(ctx, c) for c in row_chunks(ids)])
+        return self._presence_rows(ctx, ids)
+
+    def _presence_rows(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
         pres = np.asarray(ctx.presence(ids), dtype=bool).copy()
         for p in self.dead:
             pres[:, self.config.party_names.index(p)] = False
@@ -273,13 +282,15 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         cfg = self.config
         self.sync_dead(ctx)
         if ctx.start_epoch == 0 and self.own_name is not None:
-            own_rows = self.table.rows(train_ids)
-            self.own_scaler = fit_scaler(own_rows[~np.all(np.isnan(own_rows), axis=1)], cfg)
+            if getattr(self.table, "streamed", False):  # rows with no own cell add nothing
+                self.own_scaler = fit_scaler(self.table.column_summary(train_ids), cfg)
+            else:
+                own_rows = self.table.rows(train_ids)
+                self.own_scaler = fit_scaler(own_rows[~np.all(np.isnan(own_rows), axis=1)], cfg)
             from securevfl.methods.blocks.embedding import keep_codes
 
             keep_codes(self.own_scaler, self.table)  # categorical codes stay codes
             self._own_scaled = None
-        labels = self.table.label_rows(train_ids) if cfg.options.balanced else None
         for epoch in range(ctx.start_epoch, cfg.epochs):
             started = time.perf_counter()
             for group in self.optimizer.param_groups:
@@ -289,15 +300,16 @@ class BlockActive(BlockEvaluation, ActiveMethod):
                 self.own.train()
             rng = np.random.default_rng([cfg.seed, epoch, 0x7A5C])
             stats = {"loss": 0.0, "rows": 0, "steps": 0, "skipped_tasks": 0, "skipped_batches": 0}
-            pres = self.presence_matrix(ctx, train_ids)
-            batches = pattern_batches(
+            # a table streamed from disk: one batch at a time, the epoch's order on disk
+            batches = table_pattern_batches(
+                self.table,
                 train_ids,
-                pres,
+                lambda ids: self.presence_matrix(ctx, ids),
                 batch_size=cfg.batch_size,
                 seed=cfg.seed,
                 epoch=epoch,
-                labels=labels,
-                keys=self.batch_keys(train_ids, pres),
+                balanced=bool(cfg.options.balanced),
+                keys=self.batch_keys,
             )
             for ids, pattern in batches:
                 if self.quarantine:

@@ -1,6 +1,12 @@
 """Evaluation of the encoder + head methods over missing blocks: every test pattern's rows
 predicted once (`predict_rows`), accuracy averaged over each row's predictors and F1 averaged
-over predictors (LASER-VFL's App. D), random classes where no predictor may run."""
+over predictors (LASER-VFL's App. D), random classes where no predictor may run.
+
+A table streamed from disk is evaluated without a per-row array in memory: each test row's
+pattern is read a chunk at a time into files of the row cache (one per pattern), each pattern's
+rows are predicted a chunk at a time (the chunks `predict_rows` cuts in memory, and its random
+draws from one generator per pattern, so the predictions are the same), and the metrics are
+accumulated (confusion counts per predictor, the sum of the rows' accuracies)."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import numpy as np
 from securevfl.config import MissingSpec
 from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, PartyDropped
-from securevfl.methods.blocks.batches import chunks, pattern_codes, subset_code
+from securevfl.methods.blocks.batches import chunks, pattern_codes, row_chunks, subset_code
 
 Subset = tuple[str, ...]
 
@@ -43,11 +49,24 @@ class BlockEvaluation:
             return (out.reshape(-1) > 0).astype(np.int64)
         return out.argmax(axis=1).astype(np.int64)
 
+    # set while a streamed evaluation predicts one pattern's rows chunk by chunk
+    _pattern_total: int | None = None
+    _pattern_rngs: dict[tuple[int, int], np.random.Generator]
+
+    def pattern_rng(self, tag: int, present: Subset, n: int) -> np.random.Generator:
+        """The generator of the random draws (`tag`) over `n` rows of pattern `present`, seeded
+        by the rows' count; while a streamed evaluation predicts a pattern's rows a chunk at a
+        time, one generator seeded by their total, so the chunks draw what one call would."""
+        code = subset_code(present, self.blocks)
+        if self._pattern_total is None:
+            return np.random.default_rng([self.config.seed, tag, code, n])
+        if (tag, code) not in self._pattern_rngs:
+            seed = [self.config.seed, tag, code, self._pattern_total]
+            self._pattern_rngs[(tag, code)] = np.random.default_rng(seed)
+        return self._pattern_rngs[(tag, code)]
+
     def random_classes(self, n: int, present: Subset) -> np.ndarray:
-        rng = np.random.default_rng(
-            [self.config.seed, 0xFA11, subset_code(present, self.blocks), n]
-        )
-        return rng.integers(0, self.n_classes, size=n)
+        return self.pattern_rng(0xFA11, present, n).integers(0, self.n_classes, size=n)
 
     def predict_with(
         self, ctx: ActiveContext, ids: np.ndarray, subset: Subset, head: Callable[[Any], Any]
@@ -69,9 +88,11 @@ class BlockEvaluation:
         self.heads.eval()
         if self.own is not None:
             self.own.eval()
+        cfg = self.config
+        if getattr(self.table, "streamed", False) and not cfg.options.eval_test_missing:
+            return self.evaluate_streamed(ctx, ids)
         pres = self.presence_matrix(ctx, ids)
         metrics = self.evaluate_presence(ctx, ids, pres)
-        cfg = self.config
         for rate in cfg.options.eval_test_missing:
             from securevfl.data.missing import presence
 
@@ -149,6 +170,79 @@ class BlockEvaluation:
                     preds.setdefault(name, []).append((rows, classes))
         return self.metrics_from(y, preds, n_fallback=n_fallback, n_excluded=n_excluded)
 
+    def evaluate_streamed(self, ctx: ActiveContext, ids: np.ndarray) -> dict[str, Any]:
+        """`evaluate_presence(ctx, ids, presence_matrix(ctx, ids))` for a table streamed from
+        disk: the rows of each pattern in a file of its row cache, predicted and scored a chunk
+        at a time. Equal to it up to the order of the accuracy's sum."""
+        arrays = self.table.rowstore.arrays()
+        spools: dict[int, Any] = {}
+        start = 0
+        for block in row_chunks(ids):
+            codes = pattern_codes(self.presence_matrix(ctx, block))
+            for code in np.unique(codes).tolist():
+                if code == 0:  # no present block: left out, as in memory
+                    continue
+                if code not in spools:
+                    spools[code] = arrays.spool(f"eval-pattern-{code}", np.int64)
+                spools[code].write(start + np.flatnonzero(codes == code))
+            start += len(block)
+        scores = _Scores(self.n_classes)
+        n_fallback = n_excluded = 0
+        width = len(self.blocks)
+        with torch.no_grad():
+            for code in sorted(spools):
+                positions = spools.pop(code).array()
+                pattern = ((code >> np.arange(width)) & 1).astype(bool)
+                got = self._score_pattern(ctx, ids, positions, pattern)
+                if got is None:
+                    n_excluded += len(positions)
+                    continue
+                n_fallback += len(positions) if got[1] else 0
+                scores.merge(got[0])
+        return scores.metrics(
+            binary=self.config.task == "binary", n_fallback=n_fallback, n_excluded=n_excluded
+        )
+
+    def _score_pattern(
+        self, ctx: ActiveContext, ids: np.ndarray, positions: np.ndarray, pattern: np.ndarray
+    ) -> tuple[_Scores, bool] | None:
+        """The scores of the rows at `positions` of `ids` (pattern `pattern`) and whether they
+        were guessed; None if the method leaves them out. A party lost on the way: the pattern
+        again over the survivors, or (its sums delivered already) guessed, as in memory."""
+        from securevfl.data.rowarrays import take
+
+        def run(present: Subset, *, guess: bool) -> tuple[_Scores, bool] | None:
+            self._pattern_total, self._pattern_rngs = len(positions), {}
+            scores, fallback = _Scores(self.n_classes), False
+            for part in chunks(positions):  # the chunks `predict_rows` cuts in memory
+                rows = take(ids, np.asarray(part, dtype=np.int64))
+                if guess:
+                    pred = Prediction(
+                        {"joint": self.random_classes(len(rows), present)}, fallback=True
+                    )
+                else:
+                    pred = self.predict_rows(ctx, rows, present)
+                if pred is None:
+                    return None
+                fallback = pred.fallback
+                scores.add(self.table.label_rows(rows).astype(np.int64), pred.classes)
+            return scores, fallback
+
+        try:
+            while True:
+                self.sync_dead(ctx)
+                present = self.present_of(pattern)
+                if not present:
+                    return run(present, guess=True)
+                try:
+                    return run(present, guess=False)
+                except PartyDropped as exc:
+                    self.lose(ctx, exc.party)
+                    if exc.delivered:  # summed over the full group already: no re-run
+                        return run(present, guess=True)
+        finally:
+            self._pattern_total = None
+
     def metrics_from(
         self,
         y: np.ndarray,
@@ -184,3 +278,69 @@ class BlockEvaluation:
         return out
 
     # --- state
+
+
+class _Scores:
+    """What `metrics_from` needs, accumulated a chunk at a time: per predictor the confusion
+    counts, and the rows' accuracies (each row's share of correct predictors) summed."""
+
+    def __init__(self, n_classes: int) -> None:
+        self.n_classes = n_classes
+        self.confusion: dict[str, np.ndarray] = {}
+        self.accuracy = 0.0
+        self.rows = 0
+
+    def add(self, y: np.ndarray, classes: Mapping[str, np.ndarray]) -> None:
+        if not classes:
+            return
+        correct = np.zeros(len(y))
+        size = max(self.n_classes, int(y.max(initial=0)) + 1)
+        for name, c in classes.items():
+            c = np.asarray(c, dtype=np.int64)
+            correct += c == y
+            counts = np.bincount(y * size + c, minlength=size * size).reshape(size, size)
+            self._count(name, counts)
+        self.accuracy += float(np.sum(correct / len(classes)))
+        self.rows += len(y)
+
+    def _count(self, name: str, counts: np.ndarray) -> None:
+        had = self.confusion.get(name)
+        if had is not None and had.shape != counts.shape:
+            size = max(had.shape[0], counts.shape[0])
+            grown = np.zeros((size, size), dtype=np.int64)
+            grown[: had.shape[0], : had.shape[0]] += had
+            had = grown
+            counts = np.pad(counts, (0, size - counts.shape[0]))
+        self.confusion[name] = counts if had is None else had + counts
+
+    def merge(self, other: _Scores) -> None:
+        for name, counts in other.confusion.items():
+            self._count(name, counts)
+        self.accuracy += other.accuracy
+        self.rows += other.rows
+
+    def metrics(self, *, binary: bool, n_fallback: int, n_excluded: int) -> dict[str, Any]:
+        f1s = {name: _f1(m, binary=binary) for name, m in self.confusion.items()}
+        out: dict[str, Any] = {
+            "accuracy": self.accuracy / self.rows if self.rows else 0.0,
+            "f1" if binary else "macro_f1": float(np.mean(list(f1s.values()))) if f1s else 0.0,
+            "n_eval": int(self.rows),
+            "n_fallback": int(n_fallback),
+            "n_excluded": int(n_excluded),
+        }
+        if len(f1s) > 1:
+            out["f1_per_predictor"] = f1s
+        return out
+
+
+def _f1(confusion: np.ndarray, *, binary: bool) -> float:
+    """scikit-learn's `f1_score` (zero_division 0; binary: of class 1, else macro over the
+    classes seen) from confusion counts [true, predicted]: 2 tp / (true + predicted)."""
+    tp = np.diag(confusion).astype(np.float64)
+    true, pred = confusion.sum(axis=1), confusion.sum(axis=0)
+    denom = (true + pred).astype(np.float64)
+    f = np.divide(2 * tp, denom, out=np.zeros_like(tp), where=denom > 0)
+    if binary:
+        return float(f[1]) if len(f) > 1 else 0.0
+    seen = denom > 0
+    return float(np.mean(f[seen])) if seen.any() else 0.0

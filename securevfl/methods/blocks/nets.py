@@ -132,6 +132,15 @@ def class_count(task: str, labels: np.ndarray) -> int:
     return max(n, 2)
 
 
+def table_class_count(task: str, table: Any) -> int:
+    """`class_count` of the labels of `table`; a table streamed from disk is read a block of
+    labels at a time (only each block's distinct values are kept)."""
+    if not getattr(table, "streamed", False):
+        return class_count(task, table.labels)
+    seen = [np.unique(b[~np.isnan(b)]) for b in table.rowstore.label_blocks()]
+    return class_count(task, np.unique(np.concatenate(seen)) if seen else np.empty(0))
+
+
 def batches(ids: np.ndarray, batch_size: int, *, seed: int, epoch: int) -> list[np.ndarray]:
     """The epoch's shuffled batches, reproducible from (seed, epoch) so a resumed run replays
     the same order."""

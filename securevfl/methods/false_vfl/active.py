@@ -21,15 +21,15 @@ aggregation sums any group.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, ActiveMethod, SumSpec
-from securevfl.methods.blocks.batches import chunks, pattern_batches, pattern_codes
-from securevfl.methods.blocks.nets import class_count, derived_seed
+from securevfl.methods.blocks.batches import chunks, pattern_codes, table_pattern_batches
+from securevfl.methods.blocks.nets import derived_seed, table_class_count
 from securevfl.metrics import task_metrics
 
 Group = tuple[str, ...]
@@ -47,7 +47,7 @@ class FalseVFLActiveMethod(ActiveMethod):
         from securevfl.methods.false_vfl.model import FalseVFLActive, config_from_options
 
         cfg, opts = self.config, self.config.options
-        self.n_classes = class_count(cfg.task, self.table.labels)
+        self.n_classes = table_class_count(cfg.task, self.table)
         self.model_cfg = config_from_options(opts)
         self.model = FalseVFLActive(
             self.n_classes, self.model_cfg, seed=derived_seed(cfg.seed, "false-vfl")
@@ -97,12 +97,21 @@ class FalseVFLActiveMethod(ActiveMethod):
 
     def _steps(
         self, ctx: ActiveContext, ids: np.ndarray, batch_size: int, epoch: int
-    ) -> tuple[list[list[Batch]], int]:
+    ) -> tuple[Iterable[list[Batch]], Callable[[], int]]:
         """The epoch's steps, each a list of batches (ids, presence [n, K], group) of about
-        `batch_size` rows in all, and the number of rows left out because their present parties
-        may not be summed. Reproducible from (seed, epoch). Mixed: one batch per step, a
-        shuffled slice of the allowed rows (`mixed_batches`), summed over every party; pattern:
-        pattern-homogeneous batches, each over the parties holding its rows."""
+        `batch_size` rows in all, and (once they are run through) the number of rows left out
+        because their present parties may not be summed. Reproducible from (seed, epoch). Mixed:
+        one batch per step, a shuffled slice of the allowed rows (`mixed_batches`), summed over
+        every party; pattern: pattern-homogeneous batches, each over the parties holding its
+        rows. A table in memory makes the list up front; one streamed from disk gives the same
+        steps one at a time from orders kept in files of its row cache."""
+        if getattr(self.table, "streamed", False):
+            tally = {"skipped": 0}
+            if self.mixed:
+                steps = self._streamed_mixed_steps(ctx, ids, batch_size, epoch, tally)
+            else:
+                steps = self._pattern_steps(ctx, ids, batch_size, epoch, tally)
+            return steps, lambda: tally["skipped"]
         pres, names = self._groups(ctx, ids)
         if self.mixed:
             ok = self._rows_allowed(ctx, pres, names)
@@ -110,22 +119,76 @@ class FalseVFLActiveMethod(ActiveMethod):
                 [(ids[ok][part], pres[ok][part], tuple(names))]
                 for part in mixed_batches(int(ok.sum()), batch_size, self.config.seed, epoch)
             ]
-            return steps, int((~ok).sum())
-        steps: list[list[Batch]] = [[]]
-        size, skipped = 0, 0
-        for rows, pattern in pattern_batches(
-            ids, pres, batch_size=batch_size, seed=self.config.seed, epoch=epoch
+            skipped = int((~ok).sum())
+            return steps, lambda: skipped
+        tally = {"skipped": 0}
+        made = list(self._pattern_steps(ctx, ids, batch_size, epoch, tally, pres=pres))
+        return made, lambda: tally["skipped"]
+
+    def _pattern_steps(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        batch_size: int,
+        epoch: int,
+        tally: dict[str, int],
+        *,
+        pres: np.ndarray | None = None,
+    ) -> Iterator[list[Batch]]:
+        """Pattern-homogeneous batches grouped into steps of about `batch_size` rows (rows
+        whose group may not be summed counted in `tally`)."""
+        names = list(self.config.party_names)
+        step: list[Batch] = []
+        size = 0
+        for rows, pattern in table_pattern_batches(
+            self.table,
+            ids,
+            (lambda b: self._groups(ctx, b)[0]) if pres is None else (lambda b: pres),
+            batch_size=batch_size,
+            seed=self.config.seed,
+            epoch=epoch,
         ):
             group = tuple(n for n, on in zip(names, pattern, strict=True) if on)
             if not self._allowed(ctx, group):
-                skipped += len(rows)
+                tally["skipped"] += len(rows)
                 continue
             if size and size + len(rows) > batch_size:
-                steps.append([])
-                size = 0
-            steps[-1].append((rows, np.tile(np.asarray(pattern, bool), (len(rows), 1)), group))
+                yield step
+                step, size = [], 0
+            step.append((rows, np.tile(np.asarray(pattern, bool), (len(rows), 1)), group))
             size += len(rows)
-        return [s for s in steps if s], skipped
+        if step:
+            yield step
+
+    def _streamed_mixed_steps(
+        self, ctx: ActiveContext, ids: np.ndarray, batch_size: int, epoch: int, tally: dict
+    ) -> Iterator[list[Batch]]:
+        """`mixed_batches` of a table streamed from disk: the allowed rows and their shuffle in
+        files of its row cache, each batch's rows read from there."""
+        from securevfl.data.rowarrays import filter_ids, permutation, take
+
+        names = list(self.config.party_names)
+        arrays = self.table.rowstore.arrays()
+        allowed = filter_ids(
+            arrays,
+            ids,
+            lambda b: self._rows_allowed(ctx, self._groups(ctx, b)[0], names),
+            "false-vfl.allowed",
+        )
+        n = len(allowed)
+        tally["skipped"] = len(ids) - n
+        if n == 0:
+            return
+        rng = np.random.default_rng([self.config.seed, epoch, 0x3F15])
+        perm = permutation(rng, n, arrays)
+        parts = -(-n // batch_size)
+        size, extra = divmod(n, parts)  # np.array_split's sizes: the first `extra` one longer
+        start = 0
+        for k in range(parts):
+            end = start + size + (k < extra)
+            rows = take(allowed, take(perm, np.arange(start, end)))
+            yield [(rows, self._groups(ctx, rows)[0], tuple(names))]
+            start = end
 
     def _call_inputs(self, pres: np.ndarray) -> dict[str, np.ndarray]:
         """Mixed calls carry the rows' presence (every party checks its own column)."""
@@ -204,7 +267,21 @@ class FalseVFLActiveMethod(ActiveMethod):
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         opts = self.config.options
-        labeled = train_ids[self.table.labeled(train_ids)]
+        if getattr(self.table, "streamed", False):
+            from securevfl.data.rowarrays import filter_ids
+
+            labeled = filter_ids(
+                self.table.rowstore.arrays(), train_ids, self.table.labeled, "false-vfl.labeled"
+            )
+            if opts.stage2_epochs:
+                ctx.log(
+                    f"false-vfl: stage 2 holds the importance samples of its {len(labeled)} "
+                    "labeled training rows in memory (its sample bank: h and log w of every "
+                    "row, drawn once for all its epochs), and evaluation the class "
+                    "probabilities of every test row; stage 1 streams a batch at a time"
+                )
+        else:
+            labeled = train_ids[self.table.labeled(train_ids)]
         for epoch in range(ctx.start_epoch, opts.stage1_epochs + opts.stage2_epochs):
             if epoch < opts.stage1_epochs:
                 stats = self._stage1_epoch(ctx, train_ids, epoch)
@@ -221,18 +298,20 @@ class FalseVFLActiveMethod(ActiveMethod):
     def _stage1_epoch(self, ctx: ActiveContext, ids: np.ndarray, epoch: int) -> dict[str, float]:
         batch = self.config.options.stage1_batch
         steps, skipped = self._steps(ctx, ids, batch, epoch)
-        loss_sum, rows = 0.0, 0
+        loss_sum, rows, n_steps, n_batches = 0.0, 0, 0, 0
         for step in steps:
             n = sum(len(b[0]) for b in step)
             loss_sum += self._stage1_step(ctx, step, epoch) * n
             rows += n
+            n_steps += 1
+            n_batches += len(step)
         return {
             "stage": 1.0,
             "loss": loss_sum / max(rows, 1),
             "rows": float(rows),
-            "steps": float(len(steps)),
-            "batches": float(sum(len(s) for s in steps)),
-            "skipped_rows": float(skipped),
+            "steps": float(n_steps),
+            "batches": float(n_batches),
+            "skipped_rows": float(skipped()),
         }
 
     def _stage1_step(self, ctx: ActiveContext, step: list[Batch], epoch: int) -> float:

@@ -51,8 +51,9 @@ class FalseVFLPartyMethod(PartyMethod):
         opts = self.config.options
         train = np.asarray(inputs["train_ids"])
         # z-scores from the training rows this party holds (the paper z-scores every block)
-        self.scaler = Standardizer().fit(self.table.rows(train[self.table.has(train)]))
-        self._scaled = self.scaler.transform(self.table.values)
+        # a table streamed from disk: fitted from a column summary, scaled batch by batch
+        self.scaler = Standardizer().fit_table(self.table, train[self.table.has(train)])
+        self._scaled = None if self._streamed else self.scaler.transform(self.table.values)
         self.model_cfg = config_from_options(opts)
         self.model = FalseVFLParty(
             len(self.table.columns),
@@ -163,7 +164,13 @@ class FalseVFLPartyMethod(PartyMethod):
                 f"{op} of {int((~held).sum())} rows party {self.name!r} does not hold: a FALSE-VFL "
                 "sum is over the parties holding its rows"
             )
+        if self._scaled is None:
+            return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
         return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
+
+    @property
+    def _streamed(self) -> bool:
+        return bool(getattr(self.table, "streamed", False))
 
     def _inputs(self, ids: np.ndarray, mine: np.ndarray, op: str) -> tuple[Any, Any]:
         """(x [n, d_k], present [n]): this party's z-scored rows where `mine`, zeros elsewhere
@@ -262,6 +269,7 @@ class FalseVFLPartyMethod(PartyMethod):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self._scaled = self.scaler.transform(self.table.values)
+        if not self._streamed:
+            self._scaled = self.scaler.transform(self.table.values)
         self.model.generator.set_state(state["generator"])
         self._pending = []

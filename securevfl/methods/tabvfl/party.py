@@ -54,6 +54,22 @@ class ColumnScaler:
         self.std = np.where(binary | (std * np.ones(d) <= 1e-12), 1.0, std * np.ones(d))
         return self
 
+    def fit_table(self, table: Any, ids: np.ndarray) -> ColumnScaler:
+        """`fit(table.rows(ids))`; a table streamed from disk is read a block at a time (its
+        column summary, and which columns hold only 0/1), equal to rounding (~1e-15)."""
+        if not getattr(table, "streamed", False):
+            return self.fit(table.rows(ids))
+        d = len(table.columns)
+        binary = np.ones(d, dtype=bool)
+        for block in table.row_blocks(ids):
+            finite = np.where(np.isnan(block), 0.0, block)
+            binary &= np.all((finite == 0.0) | (finite == 1.0), axis=0)
+        summary = table.column_summary(ids)
+        mean, std = np.nan_to_num(summary["mean"]), np.nan_to_num(summary["std"])
+        self.mean = np.where(binary, 0.0, mean)
+        self.std = np.where(binary | (std <= 1e-12), 1.0, std)
+        return self
+
     def transform(self, values: np.ndarray) -> np.ndarray:
         return np.nan_to_num((values - self.mean) / self.std).astype(np.float32)
 
@@ -75,7 +91,7 @@ class _GuestBase(PartyMethod):
         from securevfl.methods.tabvfl.tabnet import seeded_generator
 
         train = np.asarray(inputs["train_ids"])
-        self.scaler = ColumnScaler().fit(self.table.rows(train[self.table.has(train)]))
+        self.scaler = ColumnScaler().fit_table(self.table, train[self.table.has(train)])
         self.cfg = tabnet_config(self.config.options)
         seed = self.config.seed
         self.model = self._build(

@@ -22,7 +22,8 @@ import numpy as np
 
 from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, ActiveMethod, PartyDropped
-from securevfl.methods.blocks.nets import class_count
+from securevfl.methods.blocks.batches import count_incomplete
+from securevfl.methods.blocks.nets import table_class_count
 from securevfl.methods.tabvfl.evaluation import evaluate_latent
 from securevfl.methods.tabvfl.party import tabnet_config
 from securevfl.metrics import task_metrics
@@ -70,7 +71,7 @@ class Schedule(ActiveMethod):
         super().__init__(**kwargs)
         self.opts = self.config.options
         self.cfg = tabnet_config(self.opts)
-        self.n_classes = max(2, class_count(self.config.task, self.table.labels))
+        self.n_classes = max(2, table_class_count(self.config.task, self.table))
         self.phase = "pretrain" if self.opts.pretrain_epochs > 0 else "finetune"
         self.phase_epoch = 0
         self.best_score: float | None = None
@@ -108,11 +109,19 @@ class Schedule(ActiveMethod):
         return self.opts.pretrain_epochs if self.phase == "pretrain" else self.config.epochs
 
     def _prepare(self, ctx: ActiveContext, train_ids: np.ndarray) -> None:
-        incomplete = int((~ctx.presence(train_ids).all(axis=1)).sum())
+        incomplete = count_incomplete(ctx, self.table, train_ids)
         if incomplete:
             raise ValueError(
                 f"{self.name} needs every training row at every guest, but {incomplete} rows "
                 "are missing at some guest"
+            )
+        if getattr(self.table, "streamed", False):
+            ctx.log(
+                f"{self.name}: the host holds its {len(train_ids)} training rows' order and "
+                "labels in memory (the validation carve and the fixed batches), and at "
+                "evaluation the latent of every training and test row (the paper's latent "
+                "evaluation trains classifiers on all of them); the guests stream their "
+                "columns a batch at a time"
             )
         labels = self.table.label_rows(train_ids)
         fraction = self.opts.valid_fraction if self.opts.patience > 0 else 0.0

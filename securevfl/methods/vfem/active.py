@@ -98,6 +98,13 @@ class BlockRegressionActive(VfemInference, ActiveMethod):
                 "VFEM needs y on every row: drop those rows first"
             )
         self.train_ids = train_ids
+        if getattr(self.table, "streamed", False):
+            ctx.log(
+                f"{self.method_label}: every role holds its block of the {len(train_ids)} "
+                "training rows in memory (each iteration sums per-row terms over all of them "
+                "at once, and the standard errors need the whole design); the row caches serve "
+                "the loading only"
+            )
         self.y_center = float(y.mean()) if opts.intercept else 0.0
         self.y_scale = float(np.sqrt(np.mean((y - y.mean()) ** 2)))
         if not self.y_scale > 0:

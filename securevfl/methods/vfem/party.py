@@ -3,6 +3,7 @@ terms (to secure sums) and keeps its parameters."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from securevfl.methods.base import PartyMethod, UnknownOperation
 from securevfl.methods.vfem.block import BlockState, VfemInputError, row_namer
+
+log = logging.getLogger(__name__)
 
 
 class BlockRegressionParty(PartyMethod):
@@ -57,6 +60,16 @@ class BlockRegressionParty(PartyMethod):
     ) -> dict[str, np.ndarray]:
         if op == "prepare":
             ids = np.asarray(ids)
+            if getattr(self.table, "streamed", False):
+                log.info(
+                    "%s: %s holds this party's block of its %d training rows in memory (%.1f "
+                    "MB): every iteration sums per-row terms over all of them; the table "
+                    "stays streamed for everything else",
+                    self.name,
+                    self.method_label,
+                    len(ids),
+                    len(ids) * max(len(self.table.columns), 1) * 8 / 1e6,
+                )
             # a row with some of this party's cells empty is refused, naming the row: the M-step
             # would need 1/tau_i on rows it holds (see BlockState)
             self.block = BlockState(
