@@ -1,18 +1,24 @@
 """CKKS against plain on Credit (split-NN, 4 parties x 5 columns, batch 256, width 16), side by side
-in one run: plain; ``ckks-before``, the CKKS sum as it was before the raw wire format (SEAL's
-zstd serialisation through a tmpfs file per ciphertext, encryptions of zero started at once);
-``ckks``, today's defaults, with the parameters a run sizes from the default value bound
-([secure] bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024).
-``--ablation`` adds ``ckks-raw-nodelay`` (raw wire, zeros started at once) to split the gain.
-Variants are interleaved per repeat, each a real multi-process federation over loopback
-ZeroMQ + CURVE (`bench/fedbench.py`); the before/after switches are the environment variables
-``SECUREVFL_CKKS_WIRE`` and ``SECUREVFL_CKKS_PREP_DELAY``, which the role processes inherit.
-Records per run: epoch times, bytes sent per party per epoch, CPU seconds per role (wait4),
-the CKKS parameters each run chose and their security level, and the ratios to plain (epoch
-median and bytes), with the load average before each run.
+in one run: plain; ``ckks-before``, the CKKS sum before the raw wire format (SEAL's zstd
+serialisation through a tmpfs file per ciphertext, encryptions of zero on a worker started at
+once); ``ckks``, today's defaults (raw wire, zeros on a worker thread woken by each call, which
+waits 2 ms first), with the parameters a run sizes from the default value bound ([secure]
+bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024).
+``--ablation`` adds the other ways of making the encryptions of zero
+(``SECUREVFL_CKKS_ZEROS``): ``ckks-raw-nodelay`` (worker started at once), ``ckks-fresh`` (none
+made ahead), ``ckks-process`` (a nice-19 helper process per party), ``ckks-idle`` and
+``ckks-idle0`` (the party's own thread, 2 ms after its send or at once); ``--variants`` runs a
+subset (plain always runs). Variants are interleaved per repeat, each a real multi-process
+federation over loopback ZeroMQ + CURVE (`bench/fedbench.py`); the switches are environment
+variables (``SECUREVFL_CKKS_WIRE``, ``SECUREVFL_CKKS_PREP_DELAY``, ``SECUREVFL_CKKS_ZEROS``),
+which the role processes inherit. Records per run: epoch times, bytes sent per party per epoch,
+CPU seconds per role (wait4; a party's includes its reaped helper), the CKKS parameters each
+run chose and their security level, and the ratios to plain (epoch median and bytes, and the
+per-repeat epoch ratios against the plain run of the same repeat, to show their spread), with
+the load average before each run; and whether SEAL's encryption releases the GIL.
 
-    nice -n 5 python bench/ckks_overhead.py --epochs 2 --repeats 2 --ablation \\
-        --out bench/results/ckks_overhead_2.json
+    nice -n 5 python bench/ckks_overhead.py --epochs 2 --repeats 3 --ablation \
+        --variants ckks,ckks-process,ckks-fresh --out bench/results/ckks_overhead_3.json
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from crypto.ckks import (  # noqa: E402
 )
 
 PREP_DELAY_ENV = "SECUREVFL_CKKS_PREP_DELAY"  # read by securevfl.secure_sum
+ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"  # read by securevfl.secure_sum (thread, process, idle, fresh)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,10 +57,25 @@ def variants(
     """label -> (aggregation, extra [secure] keys, environment of the role processes)."""
     out: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
         "plain": ("plain", {}, {}),
-        "ckks-before": ("ckks", {}, {WIRE_ENV: WIRE_SEAL, PREP_DELAY_ENV: "0"}),
+        "ckks-before": (
+            "ckks",
+            {},
+            {WIRE_ENV: WIRE_SEAL, PREP_DELAY_ENV: "0", ZEROS_ENV: "thread"},
+        ),
     }
     if ablation:
-        out["ckks-raw-nodelay"] = ("ckks", {}, {WIRE_ENV: WIRE_RAW, PREP_DELAY_ENV: "0"})
+        out["ckks-raw-nodelay"] = (
+            "ckks",
+            {},
+            {WIRE_ENV: WIRE_RAW, PREP_DELAY_ENV: "0", ZEROS_ENV: "thread"},
+        )
+        out["ckks-fresh"] = ("ckks", {}, {ZEROS_ENV: "fresh"})  # no zeros made ahead
+        # made by a nice-19 helper process per party
+        out["ckks-process"] = ("ckks", {}, {ZEROS_ENV: "process"})
+        # made by the party's own thread after its send (2 ms after, or at once)
+        out["ckks-idle"] = ("ckks", {}, {ZEROS_ENV: "idle"})
+        out["ckks-idle0"] = ("ckks", {}, {ZEROS_ENV: "idle", PREP_DELAY_ENV: "0"})
+    # the default: raw wire, zeros on a worker thread woken by each call, after 2 ms
     out["ckks"] = ("ckks", {}, {})
     out[f"ckks-m{magnitude:g}"] = ("ckks", {"ckks.magnitude": magnitude}, {})
     return out
@@ -62,8 +84,9 @@ def variants(
 def run_with_env(env: dict[str, str], fn: Any, *args: Any) -> Any:
     """fn(*args) with `env` set (and the switches of the other variants unset) in this
     process's environment, which fedbench hands to every role it starts."""
-    saved = {k: os.environ.get(k) for k in (WIRE_ENV, PREP_DELAY_ENV, *env)}
-    for k in (WIRE_ENV, PREP_DELAY_ENV):
+    switches = (WIRE_ENV, PREP_DELAY_ENV, ZEROS_ENV)
+    saved = {k: os.environ.get(k) for k in (*switches, *env)}
+    for k in switches:
         os.environ.pop(k, None)
     os.environ.update(env)
     try:
@@ -177,6 +200,50 @@ def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -
     return result
 
 
+def gil_check(*, zeros: int = 100) -> dict[str, Any]:
+    """Whether SEAL releases the GIL in encryption: the wall time of `zeros` public-key
+    encryptions of zero alone, then with a second thread spinning in Python. Released, the two
+    run on two cores and the time stays; held, the threads take turns and it about doubles."""
+    import threading
+
+    from crypto.ckks import CkksKeyHolder, CkksPublic
+
+    params = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params
+    pub = CkksPublic(context_bytes=CkksKeyHolder(params=params).public_context_bytes())
+    codec, encryptor = pub._codec, pub._encryptor
+
+    def timed() -> float:
+        started = time.perf_counter()
+        for _ in range(zeros):
+            codec.zero(encryptor)
+        return time.perf_counter() - started
+
+    timed()  # warm up
+    alone = timed()
+    stop = threading.Event()
+    spins = [0]
+
+    def spin() -> None:
+        while not stop.is_set():
+            spins[0] += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        with_spinner = timed()
+    finally:
+        stop.set()
+        thread.join()
+    return {
+        "zeros": zeros,
+        "seconds_alone": round(alone, 4),
+        "seconds_with_a_spinning_python_thread": round(with_spinner, 4),
+        "slowdown": round(with_spinner / alone, 2),
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
 def chosen(secure: dict[str, Any], parties: int) -> dict[str, Any]:
     """The CKKS parameters a run with these [secure] keys sizes (as securevfl.secure_sum)."""
     magnitude = secure.get("ckks.magnitude", 2.0**20)
@@ -191,10 +258,24 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--magnitude", type=float, default=1024.0)
-    ap.add_argument("--ablation", action="store_true", help="add ckks-raw-nodelay")
+    ap.add_argument("--ablation", action="store_true", help="add ckks-raw-nodelay, ckks-fresh")
+    ap.add_argument("--variants", default="", help="comma-separated subset (plain always runs)")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the in-process breakdown")
     args = ap.parse_args()
     ds = F.credit(args.data, parties=4)
-    breakdown = per_batch_breakdown(parties=len(ds.parties))
+    breakdown = {} if args.no_breakdown else per_batch_breakdown(parties=len(ds.parties))
+    gil = {} if args.no_breakdown else gil_check()
+    if gil:
+        print(f"GIL in SEAL's encryption: {gil}", flush=True)
+    chosen_variants = variants(args.magnitude, ablation=args.ablation)
+    if args.variants:
+        wanted = {"plain", *args.variants.split(",")}
+        unknown = wanted - set(chosen_variants)
+        if unknown:
+            raise SystemExit(
+                f"unknown variants {sorted(unknown)}; choose from {list(chosen_variants)}"
+            )
+        chosen_variants = {k: v for k, v in chosen_variants.items() if k in wanted}
     for key, b in breakdown.items():
         print(
             f"{key}: {b['chunk_bytes']} bytes a chunk, crypto on one party's chain "
@@ -206,9 +287,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckks-overhead-") as tmp:
         prep = F.prepare(ds, Path(tmp))
         for rep in range(args.repeats):
-            for label, (aggregation, secure, env) in variants(
-                args.magnitude, ablation=args.ablation
-            ).items():
+            for label, (aggregation, secure, env) in chosen_variants.items():
                 raw = F.config_raw(ds, aggregation=aggregation, epochs=args.epochs)
                 if secure:
                     raw["secure"] = dict(secure)
@@ -240,8 +319,13 @@ def main() -> None:
             "test": rs[0]["test"],
         }
     base = summary["plain"]
-    for s in summary.values():
+    for label, s in summary.items():
         s["epoch_ratio"] = s["median_epoch_seconds"] / base["median_epoch_seconds"]
+        # each repeat's median epoch against the plain run of the same repeat
+        s["epoch_ratio_per_repeat"] = [
+            round(statistics.median(r["epoch_seconds"]) / statistics.median(p["epoch_seconds"]), 3)
+            for r, p in zip(runs[label], runs["plain"], strict=True)
+        ]
         s["bytes_ratio"] = s["party_bytes_sent_per_epoch"] / base["party_bytes_sent_per_epoch"]
         s["extra_cpu_seconds_per_epoch"] = (
             s["cpu_seconds_all_roles"] - base["cpu_seconds_all_roles"]
@@ -256,6 +340,7 @@ def main() -> None:
         "repeats": args.repeats,
         "floors": {"epoch_ratio": 1.5, "bytes_ratio": 10.0},
         "per_batch_ms": breakdown,
+        "gil_check": gil,
         "summary": summary,
         "runs": runs,
     }
@@ -265,7 +350,8 @@ def main() -> None:
         print(
             f"{label:>16}: epoch {s['median_epoch_seconds']:.2f} s ({s['epoch_ratio']:.2f}x), "
             f"{s['party_bytes_sent_per_epoch'] / 2**20:.2f} MiB/party/epoch "
-            f"({s['bytes_ratio']:.2f}x), +{s['extra_cpu_seconds_per_epoch']:.2f} CPU s/epoch"
+            f"({s['bytes_ratio']:.2f}x), +{s['extra_cpu_seconds_per_epoch']:.2f} CPU s/epoch, "
+            f"per repeat {s['epoch_ratio_per_repeat']}"
         )
     print(f"wrote {args.out}")
 

@@ -1024,6 +1024,7 @@ class CkksPublic:
         self._fingerprint = context_fingerprint(context_bytes)
         # encryptions of zero (any chunk can use any of them), each to be used once
         self._zeros: list[Any] = []
+        self._zero_source: Any = None  # a crypto.ckks_zeros.ZeroSource, read after _zeros
 
     @property
     def params(self) -> CkksParams:
@@ -1064,6 +1065,21 @@ class CkksPublic:
         packed.length = last * self.slots + count
         return packed
 
+    def attach_zero_source(self, source: Any) -> None:
+        """Let :meth:`encrypt` take encryptions of zero from ``source`` (an object whose
+        ``take()`` returns a fresh one or None, e.g. :class:`crypto.ckks_zeros.ZeroSource`)
+        when none prepared in process is ready; None detaches it."""
+        self._zero_source = source
+
+    def _take_zero(self) -> Any | None:
+        """A fresh encryption of zero, removed from where it was kept (so never handed out
+        twice), or None when none is ready."""
+        if self._zeros:
+            return self._zeros.pop()
+        if self._zero_source is not None:
+            return self._zero_source.take()
+        return None
+
     @property
     def prepared_zeros(self) -> int:
         """How many encryptions of zero are ready for :meth:`encrypt`."""
@@ -1098,8 +1114,9 @@ class CkksPublic:
         values per complex slot.
 
         A chunk uses a prepared encryption of zero when one is ready (see
-        :meth:`prepare_zeros`), else encrypts afresh: the same distribution either way (SEAL's
-        encryption is an encryption of zero plus the plaintext). Refuses with
+        :meth:`prepare_zeros`, then :meth:`attach_zero_source`), else encrypts afresh: the
+        same distribution either way (SEAL's encryption is an encryption of zero plus the
+        plaintext). Refuses with
         :class:`CkksError` non-numeric or non-finite input and values beyond
         ``2**params.magnitude_bits`` (too large for a sum to decrypt). An empty array gives
         zero chunks.
@@ -1122,8 +1139,8 @@ class CkksPublic:
             values = flat[start : start + self.slots]
             try:
                 plain = self._codec.encode(values)
-                if self._zeros:
-                    ct = self._zeros.pop()  # used once: a reused zero would leak differences
+                ct = self._take_zero()  # used once: a reused zero would leak differences
+                if ct is not None:
                     self._codec.evaluator.add_plain_inplace(ct, plain)
                 else:
                     ct = sealapi.Ciphertext(self._codec.seal)

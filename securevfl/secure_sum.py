@@ -14,6 +14,7 @@ passive contributors (a sum over one party *is* that party's representation).
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -278,10 +279,40 @@ class MaskActive(ActiveSumStage):
 # ---------------------------------------------------------------------------------- ckks
 
 
+#: How a CKKS party makes the encryptions of zero its contributions add their values to
+#: ($SECUREVFL_CKKS_ZEROS; `bench/ckks_overhead.py --ablation` compares them):
+#: ``thread`` (default): a worker thread woken at the end of each call, which first waits
+#: `CKKS_PREP_DELAY_S` so that the contribution is sent before SEAL takes the GIL.
+#: ``process``: a child process at nice 19 under SCHED_IDLE makes them into a pipe
+#: (`crypto.ckks_zeros`), started by the party's first wait (`CkksParty.idle`), so they come
+#: from CPU time the federation leaves idle and never take the party's GIL; a call takes what
+#: is ready (a non-blocking read and a checked load, ~0.07 ms) and encrypts the rest afresh.
+#: Falls back to ``thread`` where the child cannot be started.
+#: ``idle``: in the party's own thread after its send (`CkksParty.idle`, called by the party's
+#: loop), `CKKS_PREP_DELAY_S` after it, as many as the calls since the last wait used.
+#: ``fresh``: none prepared; each chunk is encrypted within the call.
+#: On the loaded 2-core development machine none of the other three beat ``thread`` (see the
+#: README's CKKS overhead section), so it stays the default.
+ZERO_MODES = ("thread", "process", "idle", "fresh")
+ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"
+
+
+def _zero_mode(default: str = "thread") -> str:
+    """$SECUREVFL_CKKS_ZEROS, else `default`; refuses anything but `ZERO_MODES`."""
+    text = os.environ.get(ZEROS_ENV, "").strip() or default
+    if text not in ZERO_MODES:
+        raise ValueError(
+            f"{ZEROS_ENV}={text!r} is not one of {', '.join(ZERO_MODES)}; unset it for the "
+            "default (thread)."
+        )
+    return text
+
+
 def _prep_delay(default: float = 0.002) -> float:
-    """How long a party's worker waits after `protect` returns before it makes the next call's
-    encryptions of zero (SEAL holds the GIL: started at once, it would delay this call's send):
-    $SECUREVFL_CKKS_PREP_DELAY seconds (benchmarks set 0 to compare), else `default`."""
+    """How long the ``thread`` mode's worker waits after `protect` returns before it makes the
+    next call's encryptions of zero (SEAL holds the GIL: started at once, it would delay this
+    call's send): $SECUREVFL_CKKS_PREP_DELAY seconds (benchmarks set 0 to compare), else
+    `default`."""
     text = os.environ.get("SECUREVFL_CKKS_PREP_DELAY", "").strip()
     try:
         value = float(text) if text else default
@@ -296,6 +327,8 @@ def _prep_delay(default: float = 0.002) -> float:
 
 
 CKKS_PREP_DELAY_S = _prep_delay()
+# the most zeros `CkksParty.idle` keeps ready (each ~80 KB at the Credit defaults)
+_MAX_IDLE_ZEROS = 64
 
 
 def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]:
@@ -315,14 +348,24 @@ def _chunk_arrays(key: str, chunks: Sequence[bytes]) -> dict[str, np.ndarray]:
 class CkksParty(PartySumStage):
     backend = "ckks"
 
-    def __init__(self, s: SumSession) -> None:
+    def __init__(self, s: SumSession, *, zeros: str | None = None) -> None:
+        """`zeros`: how encryptions of zero are made ahead (`ZERO_MODES`); None reads
+        $SECUREVFL_CKKS_ZEROS (default ``thread``)."""
         super().__init__(s)
         from crypto.ckks import CkksPublic
 
         if s.ckks_public_context is None:
             raise ValueError(f"{s.name}: ckks aggregation needs the key holder's public context")
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
-        self._ahead: Any = None  # the encryptions of zero being made for the next call
+        self.zeros = _zero_mode() if zeros is None else zeros
+        if self.zeros not in ZERO_MODES:
+            raise ValueError(f"zeros={self.zeros!r}: choose one of {', '.join(ZERO_MODES)}")
+        # process mode: the crypto.ckks_zeros.ZeroSource, started by the first `idle` (only a
+        # party's own loop waits between calls; in-process federations start no helper)
+        self.source: Any = None
+        self._used = 0  # ciphertext chunks the calls since the last `idle` encrypted
+        self._recent: list[int] = []  # the same for the last 4 waits
+        self._ahead: Any = None  # thread mode: the encryptions of zero being made
         self._pool: Any = None
         self._wake: Any = None  # set when the next call comes before the worker's delay ran out
 
@@ -330,14 +373,63 @@ class CkksParty(PartySumStage):
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
         self._join()  # one thread in the context at a time
         packed = self.public.encrypt(flat)
-        self._prepare(flat.size)
+        self._used += len(packed.chunks)
+        if self.zeros == "thread":
+            self._prepare(flat.size)
         return _chunk_arrays(key, packed.chunks)
 
+    def _start_source(self) -> None:
+        import weakref
+
+        from crypto.ckks import CkksError
+        from crypto.ckks_zeros import ZeroSource
+
+        try:
+            self.source = ZeroSource(self.public, self.s.ckks_public_context)
+        except CkksError:
+            self.zeros = "thread"  # no helper process here: a worker thread makes them
+            return
+        self.public.attach_zero_source(self.source)
+        weakref.finalize(self, self.source.close)
+
+    def close(self) -> None:
+        """Stop the zero helper of ``process`` mode, if any (also done at exit)."""
+        if self.source is not None:
+            self.public.attach_zero_source(None)
+            self.source.close()
+
+    def idle(self) -> None:
+        """The party's contribution is sent and it waits for the next call (the party's loop
+        calls this after each send). In ``process`` mode the first wait starts the helper
+        process. In ``idle`` mode, make here, in the caller's thread and
+        `CKKS_PREP_DELAY_S` after the send, the encryptions of zero that bring the ready ones
+        up to what the calls between two waits used (the most over the last 4 waits, at most
+        `_MAX_IDLE_ZEROS`), so the next call of the same shape only encodes, adds and
+        serialises: no other thread is woken, and the send has already gone. Each zero is used
+        once (`CkksPublic.encrypt`)."""
+        from crypto.ckks import MAX_PREPARED_ZEROS
+
+        self._recent = [*self._recent[-3:], self._used]
+        self._used = 0
+        if self.zeros == "process" and self.source is None:
+            self._start_source()  # from now on a helper makes them; falls back to thread
+        if self.zeros != "idle":
+            return
+        # rounds alternate between calls of different shapes: cover the largest of the last 4
+        want = min(max(self._recent), _MAX_IDLE_ZEROS, MAX_PREPARED_ZEROS)
+        missing = want - self.public.ready_zeros
+        if missing > 0:
+            if CKKS_PREP_DELAY_S > 0:
+                # the contribution just sent is being summed: leave the cores to the
+                # aggregator first (the next call is queued by ZeroMQ meanwhile)
+                time.sleep(CKKS_PREP_DELAY_S)
+            self.public.prepare_zeros(missing * self.public.slots)
+
     def _prepare(self, length: int) -> None:
-        """Encrypt zeros for a next call of the same length (the next batch) on a worker thread
-        while this one is on the wire, so that call only encodes and adds. SEAL holds the GIL,
-        so this overlaps with waiting for the network, not with computing; and the worker first
-        waits `CKKS_PREP_DELAY_S` (or until the next call), so that the contribution this call
+        """``thread`` mode: encrypt zeros for a next call of the same length (the next batch) on
+        a worker thread while this one is on the wire. SEAL holds the GIL, so this overlaps
+        with waiting for the network, not with computing; and the worker first waits
+        `CKKS_PREP_DELAY_S` (or until the next call), so that the contribution this call
         returns is sent before SEAL takes the GIL. Each prepared zero is used once, by any
         chunk; at most a few calls' worth are kept ready."""
         import threading

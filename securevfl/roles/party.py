@@ -103,6 +103,8 @@ class PassiveParty:
                 continue
             self.last_round = env.round
             self.conn.send(reply)
+            # sent; until the next call the sum stage may work ahead (CKKS: encryptions of zero)
+            getattr(rounds.stage, "idle", lambda: None)()
 
     def _refused(self, env: Envelope, exc: PolicyRefusal, rounds: PartyRound) -> None:
         """Record a refusal (log, ledger); then stop, or tell the aggregator and keep serving."""

@@ -1,21 +1,27 @@
-"""A CKKS party encrypts the zeros of its next call while the current one is on the wire: the
-next call of the same length uses them (each once), sums still decrypt to the released
-precision, and zeros left by lengths that do not recur stay bounded."""
+"""A CKKS party gets the zeros of its next call made before that call: on a worker thread
+(``thread``, the default), by a nice-19 helper process (``process``), or in ``idle`` mode when
+its loop calls `CkksParty.idle` after the send. The next call uses them (each once), sums still
+decrypt to the released precision, zeros left by lengths that do not recur stay bounded, and the
+mode comes from $SECUREVFL_CKKS_ZEROS."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 
 from crypto.ckks import CkksKeyHolder, DecryptionRelease, choose_params
+from securevfl import secure_sum
 from securevfl.secure_sum import CkksActive, CkksAggregator, CkksParty, SumSession
 
 
-def _roles():
+def _roles(zeros: str = "idle"):
     params = choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
     holder = CkksKeyHolder(params=params)
     ctx = holder.public_context_bytes()
     parties = {
-        n: CkksParty(SumSession(name=n, session=b"s" * 16, ckks_public_context=ctx))
+        n: CkksParty(SumSession(name=n, session=b"s" * 16, ckks_public_context=ctx), zeros=zeros)
         for n in ("a", "b")
     }
     agg = CkksAggregator(SumSession(name="aggregator", session=b"s" * 16, ckks_public_context=ctx))
@@ -36,8 +42,15 @@ def _sum(parties, agg, active, xs, rnd):
     return active.reveal(combined, group=group, key="h", shape=xs["a"].shape)
 
 
-def test_prepared_zeros_are_used_by_the_next_call_and_sums_stay_exact():
-    parties, agg, active = _roles()
+def _wait(party: CkksParty) -> None:
+    """What the party's loop does between its send and the next call."""
+    party.idle()
+    party._join()
+
+
+@pytest.mark.parametrize("zeros", ["idle", "thread"])
+def test_prepared_zeros_are_used_by_the_next_call_and_sums_stay_exact(zeros):
+    parties, agg, active = _roles(zeros)
     rng = np.random.default_rng(0)
     slots = parties["a"].public.slots
     for rnd in range(3):
@@ -45,22 +58,175 @@ def test_prepared_zeros_are_used_by_the_next_call_and_sums_stay_exact():
         got = _sum(parties, agg, active, xs, rnd)
         np.testing.assert_allclose(got, xs["a"] + xs["b"], atol=2e-3)
         party = parties["a"]
-        party._join()
+        _wait(party)
         # two chunks (a full one and a 5-value one) ready for the next call of this length
         assert party.public.ready_zeros == 2
-    before = parties["a"].public.ready_zeros
     xs = {n: rng.normal(size=(slots + 5,)) for n in parties}
-    parties["a"]._join()
     parties["a"].protect(xs["a"], round=9, group=["a", "b"], key="h")
-    # the call consumed the two prepared zeros and prepared two more for the next one
-    parties["a"]._join()
-    assert before == 2 and parties["a"].public.ready_zeros == 2
+    # the call consumed the two prepared zeros; the wait prepares two more for the next one
+    assert parties["a"].public.ready_zeros == 0 or zeros == "thread"
+    _wait(parties["a"])
+    assert parties["a"].public.ready_zeros == 2
+
+
+def test_idle_makes_as_many_zeros_as_the_calls_since_the_last_wait_used():
+    parties, _, _ = _roles()
+    party = parties["a"]
+    slots = party.public.slots
+    party.idle()  # nothing used yet: nothing made
+    assert party.public.ready_zeros == 0
+    party.protect(np.ones(slots), round=0, group=["a", "b"], key="h")
+    party.protect(np.ones(2 * slots), round=0, group=["a", "b"], key="g")
+    assert party.public.ready_zeros == 0  # nothing is made within a call
+    party.idle()
+    assert party.public.ready_zeros == 3
+    party.idle()  # no call since: nothing more
+    assert party.public.ready_zeros == 3
+    party.protect(np.ones(5), round=1, group=["a", "b"], key="h")
+    party.idle()  # one used, one made: rounds of 3 chunks were among the last 4
+    assert party.public.ready_zeros == 3
+    for rnd in range(2, 6):
+        party.protect(np.ones(5), round=rnd, group=["a", "b"], key="h")
+        party.idle()
+    # the 3-chunk round has left the last 4 waits: one zero is kept ready, as one call uses
+    assert party.public.ready_zeros == 1
+
+
+def test_fresh_mode_prepares_nothing():
+    parties, _, _ = _roles("fresh")
+    party = parties["a"]
+    party.protect(np.ones(10), round=0, group=["a", "b"], key="h")
+    party.idle()
+    assert party.public.ready_zeros == 0 and party._ahead is None
 
 
 def test_zeros_left_by_lengths_that_do_not_recur_stay_bounded():
+    for zeros in ("idle", "thread"):
+        parties, _, _ = _roles(zeros)
+        party = parties["a"]
+        for i, n in enumerate(range(1, 40)):
+            party.protect(np.ones(n), round=i, group=["a", "b"], key="h")
+            party.idle()
+        party._join()
+        assert party.public.ready_zeros <= 5
+
+
+def test_idle_keeps_at_most_the_cap(monkeypatch):
+    monkeypatch.setattr(secure_sum, "_MAX_IDLE_ZEROS", 2)
     parties, _, _ = _roles()
     party = parties["a"]
-    for i, n in enumerate(range(1, 40)):
-        party.protect(np.ones(n), round=i, group=["a", "b"], key="h")
+    party.protect(np.ones(5 * party.public.slots), round=0, group=["a", "b"], key="h")
+    party.idle()
+    assert party.public.ready_zeros == 2
+
+
+def test_the_mode_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.delenv("SECUREVFL_CKKS_ZEROS", raising=False)
+    assert secure_sum._zero_mode() == "thread"
+    for mode in ("thread", "process", "idle", "fresh"):
+        monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", mode)
+        assert secure_sum._zero_mode() == mode
+    monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "eager")
+    with pytest.raises(ValueError, match="SECUREVFL_CKKS_ZEROS='eager'.*unset it"):
+        secure_sum._zero_mode()
+    monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "process")
+    ctx = CkksKeyHolder(
+        params=choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
+    ).public_context_bytes()
+    session = SumSession(name="a", session=b"s" * 16, ckks_public_context=ctx)
+    assert CkksParty(session).zeros == "process"
+    with pytest.raises(ValueError, match="zeros='later'"):
+        CkksParty(session, zeros="later")
+
+
+def _c1(public, chunk: bytes) -> bytes:
+    """The second polynomial of a raw chunk (every prime's part): the encryption of zero's own,
+    untouched by the plaintext added to it, so it names the zero a chunk used."""
+    n = public.params.poly_modulus_degree
+    widths = [(b + 7) // 8 for b in public.params.coeff_mod_bit_sizes[:-1]]
+    offset, parts = 4 + 4 + 32, []
+    for w in widths:
+        parts.append(chunk[offset + n * w : offset + 2 * n * w])
+        offset += 2 * n * w
+    return b"".join(parts)
+
+
+def test_a_zero_made_while_idle_is_sent_once_and_never_again():
+    """Over rounds of calls and waits (the same values every call, so a reused zero would send
+    the same c1 twice), every chunk's c1 is new, and every zero made while idle is used by
+    exactly one chunk, the fresh encryptions of the first call aside."""
+    parties, _, _ = _roles()
+    party = parties["a"]
+    public = party.public
+    assert public.wire_format == "raw"
+    slots = public.slots
+    made: list[bytes] = []
+    zero = public._codec.zero
+
+    def recording_zero(encryptor):
+        ct = zero(encryptor)
+        made.append(_c1(public, public._codec.dump(ct, slots)))
+        return ct
+
+    public._codec.zero = recording_zero
+    x = np.linspace(-3.0, 3.0, 2 * slots + 7)  # three chunks a call
+    sent: list[bytes] = []
+    for rnd in range(6):
+        arrays = party.protect(x, round=rnd, group=["a", "b"], key="h")
+        sent += [_c1(public, arrays[f"h/{i}"].tobytes()) for i in range(3)]
+        party.idle()
+    assert len(made) == 6 * 3  # 5 rounds' worth used, the last round's 3 still ready
+    assert public.ready_zeros == 3
+    assert len(set(sent)) == len(sent) == 18  # no c1 sent twice
+    used = [c for c in sent if c in set(made)]
+    assert len(used) == 15 and len(set(used)) == 15  # each used zero exactly once
+    ready = {_c1(public, public._codec.dump(z, slots)) for z in public._zeros}
+    assert set(made) - set(used) == ready
+
+
+def test_process_mode_takes_zeros_from_the_helper_and_sums_stay_exact(monkeypatch):
+    import functools
+
+    import crypto.ckks_zeros
+
+    # at normal priority: the test does not wait for idle CPU (the priority has its own test)
+    helper = functools.partial(crypto.ckks_zeros.ZeroSource, nice=0, idle_policy=False)
+    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", helper)
+    parties, agg, active = _roles("process")
+    try:
+        for party in parties.values():
+            assert party.zeros == "process" and party.source is None  # no helper in process
+            party.protect(np.ones(3), round=0, group=["a", "b"], key="h")  # encrypted afresh
+            party.idle()  # a party's loop waits between calls: now a helper makes the zeros
+            assert party.source is not None and party.source.alive
+        rng = np.random.default_rng(1)
+        deadline = time.monotonic() + 120
+        while parties["a"].source.taken < 2 and time.monotonic() < deadline:
+            xs = {n: rng.normal(size=(7,)) for n in parties}
+            got = _sum(parties, agg, active, xs, 0)
+            np.testing.assert_allclose(got, xs["a"] + xs["b"], atol=2e-3)
+            for party in parties.values():
+                party.idle()  # makes nothing in process mode
+                assert party.public.ready_zeros == 0
+            time.sleep(0.05)
+        assert parties["a"].source.taken >= 2  # calls used the helper's zeros
+    finally:
+        for party in parties.values():
+            party.close()
+    assert not parties["a"].source.alive
+
+
+def test_process_mode_falls_back_to_a_worker_thread_without_a_helper(monkeypatch):
+    import crypto.ckks_zeros
+
+    def refuse(*args, **kwargs):
+        raise crypto.ckks_zeros.CkksError("no helper here")
+
+    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", refuse)
+    parties, _, _ = _roles("process")
+    party = parties["a"]
+    party.idle()
+    assert party.zeros == "thread" and party.source is None
+    party.protect(np.ones(5), round=0, group=["a", "b"], key="h")
     party._join()
-    assert party.public.ready_zeros <= 5
+    assert party.public.ready_zeros == 1

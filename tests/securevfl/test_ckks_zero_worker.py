@@ -1,6 +1,7 @@
-"""A CKKS party's worker makes the next call's encryptions of zero only after a short delay
-(SEAL holds the GIL: started at once it would hold up the send of the contribution just made),
-and a next call that comes sooner wakes it at once instead of waiting the delay out."""
+"""In ``thread`` mode (kept to compare with the default ``idle``), a CKKS party's worker makes
+the next call's encryptions of zero only after a short delay (SEAL holds the GIL: started at
+once it would hold up the send of the contribution just made), and a next call that comes
+sooner wakes it at once instead of waiting the delay out."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def _party() -> tuple[CkksKeyHolder, CkksParty]:
         params=choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
     )
     ctx = holder.public_context_bytes()
-    return holder, CkksParty(SumSession(name="a", session=b"s" * 16, ckks_public_context=ctx))
+    return holder, CkksParty(
+        SumSession(name="a", session=b"s" * 16, ckks_public_context=ctx), zeros="thread"
+    )
 
 
 def test_the_worker_waits_before_it_encrypts_zeros(monkeypatch) -> None:
