@@ -92,8 +92,16 @@ class VanillaVFLActive(JointHeadActive):
         return total  # concatenation: each party's model ends in its block of the first layer
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
-        # only labeled rows have a target (a labeled budget leaves the others empty)
-        super().fit(ctx, train_ids=train_ids[self.table.labeled(train_ids)])
+        # only labeled rows have a target (a labeled budget leaves the others empty); a table
+        # streamed from disk picks them a block at a time into a file of its row cache
+        if getattr(self.table, "streamed", False):
+            from securevfl.data.rowarrays import filter_ids
+
+            arrays = self.table.rowstore.arrays()
+            labeled = filter_ids(arrays, train_ids, self.table.labeled, "vanilla-labeled")
+        else:
+            labeled = train_ids[self.table.labeled(train_ids)]
+        super().fit(ctx, train_ids=labeled)
 
     def trainable(self, present: tuple[str, ...]) -> bool:
         return len(present) == len(self.blocks)  # fully aligned rows only

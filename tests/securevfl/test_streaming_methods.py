@@ -166,8 +166,7 @@ def test_block_methods_stream_to_the_metrics_in_memory(tmp_path, reads, name, ed
     """Training and evaluation a batch or a chunk at a time: nothing as wide as the test rows."""
     memory, streamed = run_both(tmp_path, name, reads, edit)
     assert_same(memory, streamed)
-    # vanilla-vfl's fit picks the labeled training rows in memory (its own module)
-    keys = ("rows", "presence") if name == "vanilla-vfl" else ("rows", "labels", "presence")
+    keys = ("rows", "labels", "presence")
     assert_bounded(reads, streamed, widest=max(BATCH, CHUNK, BLOCK), keys=keys)
     assert max(BATCH, CHUNK, BLOCK) < streamed["n_test"]
     if name == "laser":  # its own block read; test rows guessed chunk by chunk (one passive)

@@ -6,11 +6,14 @@ A table streamed from disk is evaluated without a per-row array in memory: each 
 pattern is read a chunk at a time into files of the row cache (one per pattern), each pattern's
 rows are predicted a chunk at a time (the chunks `predict_rows` cuts in memory, and its random
 draws from one generator per pattern, so the predictions are the same), and the metrics are
-accumulated (confusion counts per predictor, the sum of the rows' accuracies)."""
+accumulated (confusion counts per predictor, the sum of the rows' accuracies); so are the extra
+MCAR test rates of `[method] eval_test_missing` (their presence drawn a chunk at a time). Scoring
+(`predict`) likewise: each pattern's rows predicted a chunk at a time, each chunk's classes
+written into a file of the row cache."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +92,14 @@ class BlockEvaluation:
         if self.own is not None:
             self.own.eval()
         cfg = self.config
-        if getattr(self.table, "streamed", False) and not cfg.options.eval_test_missing:
-            return self.evaluate_streamed(ctx, ids)
+        if getattr(self.table, "streamed", False):
+            metrics = self.evaluate_streamed(ctx, ids)
+            for rate in cfg.options.eval_test_missing:
+                extra = self.extra_test_presence(float(rate), ids)
+                self.extra_tests[f"p_test={float(rate):g}"] = self.evaluate_streamed(
+                    ctx, ids, extra=extra
+                )
+            return metrics
         pres = self.presence_matrix(ctx, ids)
         metrics = self.evaluate_presence(ctx, ids, pres)
         for rate in cfg.options.eval_test_missing:
@@ -117,6 +126,8 @@ class BlockEvaluation:
         self.heads.eval()
         if self.own is not None:
             self.own.eval()
+        if getattr(self.table, "streamed", False):
+            return self.predict_streamed(ctx, ids)
         pres = self.presence_matrix(ctx, ids)
         out = np.full(len(ids), -1, dtype=np.int64)
         codes = pattern_codes(pres)
@@ -126,11 +137,74 @@ class BlockEvaluation:
                 pred = self.predict_rows(ctx, ids[rows], self.present_of(pres[rows[0]]))
                 if pred is None:
                     continue
-                votes = np.zeros((len(rows), self.n_classes))
-                for classes in pred.classes.values():
-                    votes[np.arange(len(rows)), classes] += 1
-                out[rows] = votes.argmax(axis=1)
+                out[rows] = self.majority(pred, len(rows))
         return out
+
+    def majority(self, pred: Prediction, n: int) -> np.ndarray:
+        """Each of `n` rows' class voted by its predictors (ties to the lowest class)."""
+        votes = np.zeros((n, self.n_classes))
+        for classes in pred.classes.values():
+            votes[np.arange(n), classes] += 1
+        return votes.argmax(axis=1)
+
+    def predict_streamed(self, ctx: ActiveContext, ids: np.ndarray) -> np.ndarray:
+        """`predict(ctx, ids=ids)` for a table streamed from disk: the rows of each pattern in
+        a file of the row cache, predicted a chunk at a time (the chunks and random draws
+        `predict_rows` makes in memory, so the classes are the same), each chunk's classes
+        written at once into a file-backed array of the row cache (returned, mapped)."""
+        from securevfl.data.rowarrays import take
+
+        arrays = self.table.rowstore.arrays()
+        spools = self._pattern_spools(ctx, ids, arrays)
+        filled = arrays.spool("predictions", np.int64)
+        for block in row_chunks(ids):
+            filled.write(np.full(len(block), -1, dtype=np.int64))
+        out = filled.array(writable=True)
+        width = len(self.blocks)
+        try:
+            with torch.no_grad():
+                for code in sorted(spools):
+                    positions = spools.pop(code).array()
+                    present = self.present_of(((code >> np.arange(width)) & 1).astype(bool))
+                    self._pattern_total, self._pattern_rngs = len(positions), {}
+                    for part in chunks(positions):  # the chunks `predict_rows` cuts in memory
+                        part = np.asarray(part, dtype=np.int64)
+                        pred = self.predict_rows(ctx, take(ids, part), present)
+                        if pred is None:
+                            break
+                        out[part] = self.majority(pred, len(part))
+        finally:
+            self._pattern_total = None
+        if isinstance(out, np.memmap):
+            out.flush()
+        return out
+
+    def _pattern_spools(
+        self,
+        ctx: ActiveContext,
+        ids: np.ndarray,
+        arrays: Any,
+        *,
+        extra: Iterator[np.ndarray] | None = None,
+    ) -> dict[int, Any]:
+        """Per presence pattern (its code; none for rows with no present block) a file of
+        `arrays` with the positions in `ids` of its rows, presence read a chunk at a time (and
+        masked by the chunk's `extra`)."""
+        spools: dict[int, Any] = {}
+        start = 0
+        for block in row_chunks(ids):
+            pres = self.presence_matrix(ctx, block)
+            if extra is not None:
+                pres = pres & next(extra)
+            codes = pattern_codes(pres)
+            for code in np.unique(codes).tolist():
+                if code == 0:  # no present block: left out, as in memory
+                    continue
+                if code not in spools:
+                    spools[code] = arrays.spool(f"eval-pattern-{code}", np.int64)
+                spools[code].write(start + np.flatnonzero(codes == code))
+            start += len(block)
+        return spools
 
     def evaluate_presence(
         self, ctx: ActiveContext, ids: np.ndarray, pres: np.ndarray
@@ -170,22 +244,29 @@ class BlockEvaluation:
                     preds.setdefault(name, []).append((rows, classes))
         return self.metrics_from(y, preds, n_fallback=n_fallback, n_excluded=n_excluded)
 
-    def evaluate_streamed(self, ctx: ActiveContext, ids: np.ndarray) -> dict[str, Any]:
-        """`evaluate_presence(ctx, ids, presence_matrix(ctx, ids))` for a table streamed from
-        disk: the rows of each pattern in a file of its row cache, predicted and scored a chunk
-        at a time. Equal to it up to the order of the accuracy's sum."""
-        arrays = self.table.rowstore.arrays()
-        spools: dict[int, Any] = {}
-        start = 0
+    def extra_test_presence(self, rate: float, ids: np.ndarray) -> Iterator[np.ndarray]:
+        """The extra MCAR test presence of `eval_test_missing` (what `missing.presence` draws
+        for the test rows at `rate`, with the active party's block always present), one
+        `row_chunks(ids)` chunk at a time: the same generator drawn in order gives the same
+        rows."""
+        from securevfl.data.missing import mcar
+
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, 0x3155, 1])  # `missing.presence`'s, split "test"
         for block in row_chunks(ids):
-            codes = pattern_codes(self.presence_matrix(ctx, block))
-            for code in np.unique(codes).tolist():
-                if code == 0:  # no present block: left out, as in memory
-                    continue
-                if code not in spools:
-                    spools[code] = arrays.spool(f"eval-pattern-{code}", np.int64)
-                spools[code].write(start + np.flatnonzero(codes == code))
-            start += len(block)
+            extra = mcar(parties=cfg.party_names, n_rows=len(block), rng=rng, p=rate)
+            if self.own_name is not None:
+                extra = np.concatenate([extra, np.ones((len(block), 1), dtype=bool)], axis=1)
+            yield extra
+
+    def evaluate_streamed(
+        self, ctx: ActiveContext, ids: np.ndarray, *, extra: Iterator[np.ndarray] | None = None
+    ) -> dict[str, Any]:
+        """`evaluate_presence(ctx, ids, presence_matrix(ctx, ids) [& extra])` for a table
+        streamed from disk: the rows of each pattern in a file of its row cache, predicted and
+        scored a chunk at a time (`extra`: a presence mask per `row_chunks(ids)` chunk). Equal
+        to it up to the order of the accuracy's sum."""
+        spools = self._pattern_spools(ctx, ids, self.table.rowstore.arrays(), extra=extra)
         scores = _Scores(self.n_classes)
         n_fallback = n_excluded = 0
         width = len(self.blocks)
