@@ -178,12 +178,17 @@ def run_federation(
     rtt_ms: float | None = None,
     mbit: float = 0.0,
     timeout: float = 1800.0,
+    pythonpath: str | None = None,
 ) -> dict[str, Any]:
     """One training run: the roles `securevfl run` would start (same commands), the aggregator
     binding its real port and, with `rtt_ms`, every other role connecting through a `WanProxy`
-    (rtt_ms added per round trip, `mbit` per direction and connection). Returns metrics.json's
-    epoch times, test metrics and bytes, each role's peak RSS and CPU seconds (from wait4), the
-    proxy's counters and the load average. Every process it starts is gone when it returns."""
+    (rtt_ms added per round trip, `mbit` per direction and connection). With [network]
+    aggregator_in_active there is no aggregator process: the active party's process binds the
+    real port (its own aggregator thread) and the parties connect through the proxy, if any.
+    `pythonpath`: the roles import securevfl from there (e.g. an older copy of the code, to
+    compare it side by side). Returns metrics.json's epoch times, test metrics and bytes, each
+    role's peak RSS and CPU seconds (from wait4), the proxy's counters and the load average.
+    Every process it starts is gone when it returns."""
     from securevfl.config import load_config
     from securevfl.launcher import free_port, role_commands
 
@@ -206,12 +211,17 @@ def run_federation(
         resume=False,
         data=prep.files,
     )
-    agg = list(cmds["aggregator"])
-    agg[agg.index("--bind") + 1] = real  # the proxy (if any) forwards to the real port
-    cmds["aggregator"] = agg
+    if "aggregator" in cmds:
+        agg = list(cmds["aggregator"])
+        agg[agg.index("--bind") + 1] = real  # the proxy (if any) forwards to the real port
+        cmds["aggregator"] = agg
+    elif proxy is not None:  # the active party's own aggregator thread binds the real port
+        cmds[cfg.active_name] += ["--set", f"network.bind={json.dumps(real)}"]
     for role, cmd in cmds.items():  # one directory per role, as on separate hosts
         cmd[cmd.index("--out") + 1] = str(out / role)
     env = dict(os.environ, OMP_NUM_THREADS="1")  # as `securevfl run`: many processes, 2 cores
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
     load_before = loadavg()
     started = time.perf_counter()
     procs: dict[str, subprocess.Popen] = {}
@@ -220,8 +230,8 @@ def run_federation(
     try:
         for role, cmd in cmds.items():
             procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-            if role == "aggregator":
-                time.sleep(0.1)
+            if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
+                time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
         killed = _supervise(procs, reaped, timeout=timeout)
     finally:
         log.close()
@@ -243,6 +253,8 @@ def run_federation(
         "fuse_rounds": bool(cfg.fuse_rounds),
         # forwards in flight beyond the awaited one ([network] pipeline_depth; 0: none)
         "pipeline_depth": int(cfg.pipeline_depth),
+        "aggregator_in_active": bool(cfg.aggregator_in_active),
+        "processes": len(procs),
         "exit_codes": codes,
         "ok": all(c == 0 for c in codes.values()) and not killed,
         "terminated": killed,

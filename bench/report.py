@@ -154,13 +154,19 @@ def plan(quick: bool) -> dict[str, Any]:
     }
 
 
+def _colocated(scaling: Mapping[str, Any]) -> int:
+    """1 when the parties series also runs plain with [network] aggregator_in_active."""
+    return int("plain" in scaling["parties"]["modes"])
+
+
 def count_steps(p: Mapping[str, Any], suites: Sequence[str]) -> int:
     n = 0
     if "credit" in suites:
         n += 1 + p["credit"]["repeats"] * len(p["credit"]["points"])
     if "scaling" in suites:
         s = p["scaling"]
-        n += len(s["parties"]["k"]) * (len(s["parties"]["modes"]) + 2)
+        # + the centralised run, the table, and plain with the aggregator in the active party
+        n += len(s["parties"]["k"]) * (len(s["parties"]["modes"]) + 2 + _colocated(s))
         n += sum(len(s["rows"]["modes"]) + 2 for _ in s["rows"]["n"])
         n += len(s["batch"]["b"]) * len(s["batch"]["modes"])
     if "privacy_utility" in suites:
@@ -383,14 +389,18 @@ class Bench:
         epochs: int,
         batch: int,
         tag: str,
+        colocated: bool = False,
     ) -> dict[str, Any] | None:
         ds = prep.dataset
-        if self.over_budget(self.results["suites"]["scaling"], f"{mode} {tag}"):
+        name = f"{mode}, aggregator in the active party" if colocated else mode
+        if self.over_budget(self.results["suites"]["scaling"], f"{name} {tag}"):
             self.advance()
             return None
-        self.step(f"scaling {tag}: {mode}")
+        self.step(f"scaling {tag}: {name}")
         raw = F.config_raw(ds, aggregation=mode, epochs=epochs, batch_size=batch)
-        r = F.run_federation(prep, raw, self.work / "scaling" / f"{tag}-{mode}")
+        raw["network"]["aggregator_in_active"] = colocated
+        where = f"{tag}-{mode}" + ("-colocated" if colocated else "")
+        r = F.run_federation(prep, raw, self.work / "scaling" / where)
         self.advance()
         return r
 
@@ -415,6 +425,8 @@ class Bench:
             "rows": [],
             "batch": [],
             "centralised": [],
+            # plain with [network] aggregator_in_active (one process and hop fewer per round)
+            "colocated": [],
             "skipped": list(s["skipped"]),
             "not_run": [],
             "prepare_seconds": {},
@@ -440,7 +452,7 @@ class Bench:
         sp = s["parties"]
         for k in sp["k"]:
             if self.over_budget(out, f"{k} parties (all modes)"):
-                self.advance(len(sp["modes"]) + 2)
+                self.advance(len(sp["modes"]) + 2 + _colocated(s))
                 continue
             prep = prepared(sp["rows"], k)
             self.advance()
@@ -450,6 +462,12 @@ class Bench:
                     out["parties"].append(r)
                 else:
                     out["not_run"].append(f"{mode} with {k} parties")
+            if _colocated(s):
+                r = self._point(
+                    prep, mode="plain", epochs=sp["epochs"], batch=256, tag=f"k{k}", colocated=True
+                )
+                if r is not None:
+                    out["colocated"].append(r)
             c = self._centralised(prep, epochs=sp["epochs"], batch=256, tag=f"k{k}")
             if c is not None:
                 out["centralised"].append(c)
@@ -853,6 +871,7 @@ def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
     out["parties_points"] = pts(out["parties"], ["aggregation", "parties"])
     out["rows_points"] = pts(out["rows"], ["aggregation", "rows"])
     out["batch_points"] = pts(out["batch"], ["aggregation", "batch_size"])
+    out["colocated_points"] = pts(out.get("colocated", []), ["aggregation", "parties"])
     ratios = []
     for c in out["centralised"]:
         if not c.get("ok"):
@@ -882,6 +901,14 @@ def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
             None,
         )
         cpu = _median(c.get("epoch_cpu_seconds") or [])
+        colocated = next(
+            (
+                p
+                for p in out.get("colocated_points", [])
+                if p.get("ok") and p["parties"] == c["parties"] and p["rows"] == c["rows"]
+            ),
+            None,
+        )
         ratios.append(
             {
                 "parties": c["parties"],
@@ -891,6 +918,12 @@ def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
                 "ratio": fed["median_epoch_seconds"] / c["median_epoch_seconds"],
                 "mask_ratio": (
                     mask["median_epoch_seconds"] / c["median_epoch_seconds"] if mask else None
+                ),
+                # plain with the aggregator a thread of the active party's process
+                "colocated_ratio": (
+                    colocated["median_epoch_seconds"] / c["median_epoch_seconds"]
+                    if colocated
+                    else None
                 ),
                 "centralised_peak_rss_mib": c.get("peak_rss_mib"),
                 "centralised_epoch_cpu_s": cpu,
@@ -1417,10 +1450,11 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 "backward of batch t and the forward of batch t+1 in one envelope; a party "
                 "applies batch t's gradient before it computes batch t+1's forward, so nothing "
                 "is stale and results are bit-identical) halves the round trips of split-NN. "
-                "Running the aggregator inside the active party's process (allowed for mask by "
-                "the design; `[network] aggregator_in_active` is accepted by the config but the "
-                "launcher still starts a separate aggregator) would halve them again; it is "
-                "not implemented.",
+                "Running the aggregator inside the active party's process (`[network] "
+                "aggregator_in_active = true`, plain and mask: an aggregator thread with its own "
+                "hub, the active party on an in-process socket) removes the hop between the "
+                "active party and the aggregator: two of the four network crossings on a "
+                "round's critical path. This WAN suite runs the aggregator as its own process.",
                 "",
             ]
         lines += _render_pipelined(c.get("pipelined") or [])
@@ -1511,7 +1545,13 @@ def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
             "the cores in the machine table). The federation's wall time over the centralised "
             "run's CPU time errs the other way (the federation's wall time is inflated by the "
             "load too), so the floor is judged on both: it holds when even the high estimate "
-            "is within it, fails when even the low one is not, and is undecided between.",
+            "is within it, fails when even the low one is not, and is undecided between. "
+            "Both sides time the same thing: the training batches of an epoch (the federation's "
+            "epoch clock stops before its per-epoch checkpoint round and restarts after it; "
+            "the test evaluation runs after training on both sides, untimed). Column `plain, "
+            "aggregator in active`: the same plain federation with `[network] "
+            "aggregator_in_active = true` (the aggregator a thread of the active party's "
+            "process: one process and one network hop per round fewer).",
             "",
             md_table(
                 [
@@ -1521,6 +1561,7 @@ def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
                     "federated plain epoch (s)",
                     "plain × centralised",
                     "mask × centralised",
+                    "plain, aggregator in active × centralised",
                     "plain wall ÷ centralised CPU",
                     f"floor ≤ {FLOOR_FED_CENTRAL:g}× (2..8 parties)",
                     "same model",
@@ -1536,6 +1577,7 @@ def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
                         r["federated_plain_epoch_s"],
                         r["ratio"],
                         r["mask_ratio"],
+                        r.get("colocated_ratio"),
                         r.get("ratio_to_cpu"),
                         fed_verdict(r),
                         r["same_test_metrics"],

@@ -18,11 +18,18 @@ each step in a child process of its own, its peak resident memory (`wait4`'s ru_
   the training and test ids) and one epoch of batches in the shuffled order of
   `methods.blocks.nets.batches` (each batch's labels, own rows and presence read).
 
+* ``--federation 0.25,2``: a real `securevfl run` (one process per role over ZeroMQ/CURVE,
+  split-NN, mask aggregation, every role streamed, 1 epoch) on a table of each size, each
+  role's peak resident set read from /proc/PID/status (VmHWM) until it exits: the claim that
+  peak memory does not grow with the file, end to end (set-up sent a part at a time,
+  `securevfl.roles.setup_rows`).
+
 Streaming (the default for files over 256 MiB) at the full size, and streaming against holding
 the table in memory at a smaller size. Writes bench/results/stream_rss.json; the CSV and every
 output are deleted afterwards.
 
     python bench/stream_rss.py --gb 5 --small-gb 0.5
+    python bench/stream_rss.py --gb 0 --small-gb 0 --federation 0.25,2 --federation-batch 4096
 """
 
 from __future__ import annotations
@@ -280,6 +287,190 @@ def step_active(csv: Path, root: Path, stream: bool) -> dict:
     }
 
 
+FED_ACTIVE = NUMERIC[:4] + CATEGORICAL[:2]
+FED_PARTIES = {
+    "a": NUMERIC[4:12] + CATEGORICAL[2:4] + ["member"],
+    "b": NUMERIC[12:] + CATEGORICAL[4:],
+}
+
+
+def federation_toml(csv: Path, *, batch: int, test_fraction: float) -> str:
+    """A split-NN, mask-aggregated federation of the synthetic table, every role streamed."""
+    q = lambda cols: "[" + ", ".join(f'"{c}"' for c in cols) + "]"  # noqa: E731
+    parties = "".join(f"\n[parties.{p}]\ncolumns = {q(c)}\n" for p, c in FED_PARTIES.items())
+    return f"""[run]
+method = "splitnn"
+aggregation = "mask"
+seed = 0
+
+[data]
+path = "{csv}"
+id = "customer"
+label = "outcome"
+positive = "churn"
+test_fraction = {test_fraction}
+stream = true
+
+[active]
+columns = {q(FED_ACTIVE)}
+{parties}
+[train]
+epochs = 1
+batch_size = {batch}
+
+[model]
+hidden = [16]
+width = 4
+
+[network]
+heartbeat_interval = 1.0
+peer_timeout = 600.0
+round_timeout = 1800.0
+startup_timeout = 3600.0
+"""
+
+
+def _role_of(pid: int) -> str | None:
+    """The role a `securevfl` role process runs (from its command line)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    args = [a.decode(errors="replace") for a in argv]
+    if "securevfl" not in args:
+        return None
+    rest = args[args.index("securevfl") + 1 :]
+    if not rest:
+        return None
+    if rest[0] == "party" and "--name" in rest:
+        return f"party {rest[rest.index('--name') + 1]}"
+    return rest[0] if rest[0] in ("active", "aggregator") else None
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for c in children.get(pid, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _status_kb(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
+    found = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in keys:
+                found[key] = int(value.split()[0])
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def measure_federation(
+    csv: Path, root: Path, *, batch: int, test_fraction: float, timeout: float
+) -> dict:
+    """`securevfl run` of the federation (real processes, every role streamed), each role's
+    peak resident set: /proc/PID/status VmHWM, read every 0.5 s until the role exits (the last
+    reading is its peak over its life), and the largest RssAnon / RssFile seen."""
+    config = root / "federation.toml"
+    config.write_text(federation_toml(csv, batch=batch, test_fraction=test_fraction))
+    run_dir = root / "run"
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "securevfl", "run", str(config)]
+    cmd += ["--out", str(run_dir)]
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    peaks: dict[str, dict[str, int]] = {}
+    keys = ("VmHWM", "RssAnon", "RssFile")
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+        for pid in _descendants(proc.pid):
+            role = _role_of(pid)
+            if role is None:
+                continue
+            now = _status_kb(pid, keys)
+            seen = peaks.setdefault(role, dict.fromkeys(keys, 0))
+            for k, v in now.items():
+                seen[k] = max(seen[k], v)
+        time.sleep(0.5)
+    proc.wait()
+    reader.join(timeout=5)
+    seconds = time.perf_counter() - t
+    text = b"".join(lines).decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"securevfl run failed ({proc.returncode}):\n{text[-3000:]}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {
+        "step": "federation",
+        "mode": "stream",
+        "command": " ".join(cmd[3:]),
+        "batch_size": batch,
+        "test_fraction": test_fraction,
+        "seconds": round(seconds, 1),
+        "peak_rss_mb": {r: round(v["VmHWM"] / 1024, 1) for r, v in sorted(peaks.items())},
+        "sampled_peak_anon_mb": {
+            r: round(v["RssAnon"] / 1024, 1) for r, v in sorted(peaks.items())
+        },
+        "sampled_peak_file_mb": {
+            r: round(v["RssFile"] / 1024, 1) for r, v in sorted(peaks.items())
+        },
+        "n_train": metrics.get("n_train"),
+        "n_test": metrics.get("n_test"),
+        "rounds": metrics.get("rounds"),
+        "epoch_seconds": [round(h, 1) for h in metrics.get("epoch_seconds", [])],
+        "test": {k: v for k, v in metrics.get("test", {}).items() if isinstance(v, float)},
+        "output_tail": text[-600:],
+    }
+
+
+def run_federation_sizes(
+    sizes: list[float], work: Path, *, batch: int, test_fraction: float, timeout: float
+) -> list[dict]:
+    """The federation at each size in turn (each CSV generated, run, deleted)."""
+    runs = []
+    for gb in sizes:
+        csv = work / f"federation_{gb:g}gb.csv"
+        t = time.perf_counter()
+        rows = generate(csv, int(gb * 1e9))
+        size = csv.stat().st_size
+        print(
+            f"generated {csv.name}: {size / 1e9:.2f} GB, {rows} rows "
+            f"({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
+        root = work / f"federation-{gb:g}"
+        root.mkdir()
+        try:
+            r = measure_federation(
+                csv, root, batch=batch, test_fraction=test_fraction, timeout=timeout
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            csv.unlink(missing_ok=True)
+        r.update(file_bytes=size, rows=rows)
+        print(json.dumps(r), flush=True)
+        runs.append(r)
+    return runs
+
+
 def _id_blocks(table, rows: int = 1 << 20):
     """(start, sorted ids) of the table, `rows` at a time (a streamed one reads its index)."""
     if table.streamed:
@@ -431,6 +622,14 @@ def main() -> None:
         default="split,party",
         help="steps measured at the small size, streamed and in memory (comma-separated)",
     )
+    ap.add_argument(
+        "--federation",
+        default="",
+        help="also run `securevfl run` (split-NN, every role streamed, 1 epoch) on tables of "
+        "these sizes in GB (comma-separated, e.g. 0.25,2) and record each role's peak RSS",
+    )
+    ap.add_argument("--federation-batch", type=int, default=4096)
+    ap.add_argument("--federation-test-fraction", type=float, default=0.05)
     ap.add_argument("--workdir", type=Path, default=None, help="(default: a temporary dir)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "stream_rss.json")
@@ -460,6 +659,15 @@ def main() -> None:
             if unknown or not steps:
                 raise SystemExit(f"--steps: choose among {sorted(STEPS)}, got {args.steps!r}")
             runs += run_size(args.gb, [True], work, args.timeout, steps)
+        if args.federation:
+            sizes = [float(x) for x in args.federation.split(",") if x.strip()]
+            runs += run_federation_sizes(
+                sizes,
+                work,
+                batch=args.federation_batch,
+                test_fraction=args.federation_test_fraction,
+                timeout=args.timeout,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     import pyarrow

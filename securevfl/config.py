@@ -42,6 +42,10 @@ class ReleasePolicy:
     min_group: int = 2
     clear_releases: tuple[str, ...] = ()  # "op.tensor" patterns a method may release in clear
     share_presence: bool = True  # answer set-up with which rows it holds (what a PSI gives)
+    # accept a run whose aggregator is a thread of the active party's process ([network]
+    # aggregator_in_active; plain and mask only): the active party then sees every masked
+    # contribution, which hides the party's value as well as a separate aggregator does
+    aggregator_in_active: bool = True
     on_refusal: str = "stop"  # "stop": stop cleanly; "skip": refuse the call, keep serving
 
 
@@ -548,6 +552,14 @@ def policy_refusal(cfg: RunConfig, policy: ReleasePolicy, spec: Any) -> tuple[st
             f"this party does not accept aggregation {cfg.aggregation!r} ({why}); add it to "
             "the party's policy aggregations to allow it"
         )
+    if cfg.aggregator_in_active and not policy.aggregator_in_active:
+        return "aggregator_in_active", (
+            "the run puts the aggregator in the active party's process ([network] "
+            "aggregator_in_active = true), which this party's policy does not accept; run the "
+            "aggregator as its own process (aggregator_in_active = false), or set the policy's "
+            "aggregator_in_active = true if the party accepts that the active party sees its "
+            "masked contributions"
+        )
     if cfg.aggregation != "plain" and cfg.min_group < policy.min_group:
         return "min_group", (
             f"this party asks for groups of at least {policy.min_group} passive parties but the "
@@ -824,6 +836,7 @@ _POLICY_KEYS = {
     "min_group",
     "clear_releases",
     "share_presence",
+    "aggregator_in_active",
     "on_refusal",
 }
 
@@ -865,6 +878,11 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
     share, skey = get("share_presence", d.share_presence)
     if not isinstance(share, bool):
         raise ConfigError(f"{skey} share_presence", f"must be true or false, got {share!r}")
+    colocated, ikey = get("aggregator_in_active", d.aggregator_in_active)
+    if not isinstance(colocated, bool):
+        raise ConfigError(
+            f"{ikey} aggregator_in_active", f"must be true or false, got {colocated!r}"
+        )
     refusal, rkey = get("on_refusal", d.on_refusal)
     if refusal not in ("stop", "skip"):
         raise ConfigError(f"{rkey} on_refusal", f'must be "stop" or "skip", got {refusal!r}')
@@ -874,6 +892,7 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
         min_group=_integer(min_group, f"{gkey} min_group", minimum=1),
         clear_releases=tuple(clear),
         share_presence=share,
+        aggregator_in_active=colocated,
         on_refusal=refusal,
     )
 

@@ -78,16 +78,18 @@ def run_federation(
         t.start()
         return t
 
-    threads = [
-        role_thread(
-            "aggregator",
-            run_aggregator,
-            keys_dir=keys,
-            bind=address,
-            on_bound=lambda _endpoint: bound.set(),
+    threads = []
+    if not cfg.aggregator_in_active:  # else the active party's thread runs it (and binds)
+        threads.append(
+            role_thread(
+                "aggregator",
+                run_aggregator,
+                keys_dir=keys,
+                bind=address,
+                on_bound=lambda _endpoint: bound.set(),
+            )
         )
-    ]
-    bound.wait(timeout=cfg.startup_timeout)
+        bound.wait(timeout=cfg.startup_timeout)
     for p in cfg.party_names:
         table = load_party_table(role_data_path(out, p), cfg, p)
         threads.append(

@@ -1,9 +1,11 @@
 """`securevfl run`: a whole federation on this machine, one OS process per role, over loopback
-ZeroMQ with CURVE. The table is split into one file per role first; each process reads only its
-own file."""
+ZeroMQ with CURVE (with [network] aggregator_in_active, the aggregator is a thread of the active
+party's process: one process fewer). The table is split into one file per role first; each
+process reads only its own file."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -54,8 +56,6 @@ def record_run(
     """What the run was started with (the config file and every --set), so that the model can
     be loaded and scored later from the run directory alone; the effective config itself is in
     `EFFECTIVE_CONFIG` (`securevfl.run_record`)."""
-    import json
-
     record = {
         "config": str(Path(config_path).resolve()),
         "overrides": dict(overrides),
@@ -68,8 +68,6 @@ def record_run(
 
 def load_run_config(run_dir: Path) -> tuple[RunConfig, Path]:
     """The config a run was made with: its record (config file + overrides), else the copy."""
-    import json
-
     run_dir = Path(run_dir)
     record = run_dir / RUN_RECORD
     if record.exists():
@@ -170,7 +168,8 @@ def role_commands(
     predictions: Path | None = None,
 ) -> dict[str, list[str]]:
     """The command of every role; with `predictions`, the roles score (`data`: the new rows of
-    each role) instead of training."""
+    each role) instead of training. With [network] aggregator_in_active there is no aggregator
+    command: the active party's process runs the aggregator (a thread binding `address`)."""
     base = [sys.executable, "-m", "securevfl"]
     common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
     for o in overrides:
@@ -179,8 +178,9 @@ def role_commands(
     if predictions is not None:
         extra = ["--score"]
     data = data or {r: role_data_path(out, r) for r in cfg.role_names}
-    cmds = {
-        "aggregator": [
+    cmds: dict[str, list[str]] = {}
+    if not cfg.aggregator_in_active:
+        cmds["aggregator"] = [
             *base,
             "aggregator",
             *common,
@@ -188,11 +188,13 @@ def role_commands(
             address,
             *(["--resume"] if resume and predictions is None else []),
         ]
-    }
+    # aggregator_in_active: the active party's aggregator thread binds `address` itself
+    colocated = ["--set", f"network.bind={json.dumps(address)}"] if cfg.aggregator_in_active else []
     cmds[cfg.active_name] = [
         *base,
         "active",
         *common,
+        *colocated,
         "--address",
         address,
         "--data",
@@ -282,7 +284,7 @@ def _start(
                 ),
             )
         )
-        if role == "aggregator":
+        if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
             time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
     (out / "pids.json").write_text("{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n")
     from securevfl.roles.rounds import tolerates_dropout
@@ -352,8 +354,6 @@ def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> i
     """The run's exit status from its roles' statuses. Parties the finished run lists as lost
     (a dropout-tolerant method went on without them) do not fail it."""
     if codes.get(active) == 0 and (run_dir / "metrics.json").exists():
-        import json
-
         lost = set(json.loads((run_dir / "metrics.json").read_text()).get("lost_parties", []))
         codes = {r: (0 if r in lost else c) for r, c in codes.items()}
     if all(c == 0 for c in codes.values()):
@@ -388,8 +388,6 @@ def score_rows(
     record = run_dir / RUN_RECORD
     overrides: list[str] = []
     if record.exists():
-        import json
-
         overrides = [
             f"{k}={json.dumps(v)}" for k, v in json.loads(record.read_text())["overrides"].items()
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -96,6 +97,15 @@ class Hub(Endpoint):
     so there the routing id is the identity and, when an ``allowlist`` is given, must be one
     of its names. ``inproc://`` needs the peers to share ``context``.
 
+    ``local``: the one role that runs in this hub's own process (e.g. the active party when
+    the aggregator is colocated with it). The hub binds a second ROUTER socket at a fresh
+    ``inproc://`` endpoint (:attr:`local_endpoint`, reachable only through :attr:`context`,
+    i.e. from this process) that serves that role alone: whatever arrives there is ``local``
+    (its routing id must name it), and nothing else is. That role is never served over
+    ``bind``: a connection there that authenticates as ``local`` (its key should not be in
+    the allowlist at all) is refused, so no remote process can stand in for it. No network,
+    CURVE or I/O thread lies between the two: a message is handed over in memory.
+
     Limitation: libzmq queues every frame of a multipart message before it delivers the
     first, and ``zmq.MAXMSGSIZE`` (``limits.hard_frame_cap``) caps each frame, not their
     number; the hub refuses an over-limit message frame by frame without keeping or
@@ -128,8 +138,13 @@ class Hub(Endpoint):
         logger: logging.Logger | None = None,
         context: zmq.Context | None = None,
         curve: bool = True,
+        local: str | None = None,
     ) -> None:
         check_role_name(name)
+        if local is not None:
+            check_role_name(local)
+            if local == name:
+                raise ValueError(f"local={local!r} is the hub's own name")
         check_endpoint(bind, curve=curve, context=context)
         check_timing(heartbeat_interval, peer_timeout)
         if curve and (keypair is None or allowlist is None):
@@ -147,6 +162,8 @@ class Hub(Endpoint):
         self.bytes_received = 0
         self.rejected = 0
         self.endpoint = bind
+        self.local = local
+        self.local_endpoint: str | None = None
 
         self._wire_kinds = self.kinds | RESERVED_KINDS
         self._routes: dict[str, bytes] = {}  # role -> routing id of its main socket
@@ -165,6 +182,7 @@ class Hub(Endpoint):
         self._context = context if context is not None else zmq.Context()
         self._auth: AllowlistAuthenticator | None = None
         self._socket: zmq.Socket | None = None
+        self._local_socket: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         try:
@@ -191,6 +209,8 @@ class Hub(Endpoint):
             self._poller.register(socket, zmq.POLLIN)
             socket.bind(bind)
             self.endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            if local is not None:
+                self._local_socket = self._bind_local(local)
         except zmq.ZMQError as exc:
             self.close(linger=0)
             raise TransportError(
@@ -235,7 +255,7 @@ class Hub(Endpoint):
         one whose session differs from :attr:`session`. Tensors are sent zero-copy: do not
         modify them until the peer has received them.
         """
-        sock = self._open_socket()
+        sock = self._socket_of(to)
         rid = self._routes.get(to)
         if rid is None:
             raise TransportError(
@@ -259,6 +279,11 @@ class Hub(Endpoint):
             raise
         self.bytes_sent += frames_nbytes(frames)
         self._heartbeat_if_due()
+
+    @property
+    def context(self) -> zmq.Context:
+        """The ZeroMQ context of this hub's sockets (an ``inproc://`` peer must share it)."""
+        return self._context
 
     def connected(self) -> set[str]:
         """Roles whose main socket has announced itself (each :class:`Peer` does on connect)."""
@@ -312,6 +337,8 @@ class Hub(Endpoint):
                 self._socket.disable_monitor()
                 self._monitor.close(linger=0)
             self._socket.close(linger=int(linger * 1000))
+        if self._local_socket is not None:
+            self._local_socket.close(linger=int(linger * 1000))
         if self._auth is not None:
             self._auth.stop()
         if self._own_context:
@@ -328,6 +355,34 @@ class Hub(Endpoint):
         if self._closed or self._socket is None:
             raise TransportError(f"hub {self.name} is closed")
         return self._socket
+
+    def _socket_of(self, role: str) -> zmq.Socket:
+        """The socket that serves ``role``: the local one for the local role, else ``bind``'s."""
+        sock = self._open_socket()
+        if role == self.local and self._local_socket is not None:
+            return self._local_socket
+        return sock
+
+    def _bind_local(self, local: str) -> zmq.Socket:
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            configure_socket(
+                sock,
+                limits=self.limits,
+                heartbeat_interval=self.heartbeat_interval,
+                peer_timeout=self.peer_timeout,
+            )
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # a fresh name: only code of this process that is handed it can connect
+            endpoint = f"inproc://{self.name}-local-{local}-{secrets.token_hex(8)}"
+            sock.bind(endpoint)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._poller.register(sock, zmq.POLLIN)
+        self.local_endpoint = endpoint
+        return sock
 
     def _serve(
         self, timeout: float, done: Callable[[], bool], describe_timeout: Callable[[], str]
@@ -350,12 +405,25 @@ class Hub(Endpoint):
     def _drain(self, done: Callable[[], bool]) -> None:
         sock = self._open_socket()
         self._process_monitor()
-        while not done():
+        local = self._local_socket
+        busy = True
+        while busy and not done():
+            busy = False
+            if local is not None:  # the in-process role first: its calls start the rounds
+                try:
+                    received = recv_bounded(local, limits=self.limits, prefix=1)
+                except zmq.Again:
+                    pass
+                else:
+                    self._handle(received, local=True)
+                    busy = True
+                    continue
             try:
                 received = recv_bounded(sock, limits=self.limits, prefix=1)
             except zmq.Again:
-                return
+                continue
             self._handle(received)
+            busy = True
 
     def _process_monitor(self) -> None:
         if self._monitor is None:
@@ -396,14 +464,14 @@ class Hub(Endpoint):
         if now < self._next_heartbeat:
             return
         self._next_heartbeat = now + self.heartbeat_interval
-        sock = self._open_socket()
+        self._open_socket()
         for name, rid in self._routes.items():
             if name not in self._last_seen:
                 continue  # lost or forgotten: nobody to keep alive
             self._seq += 1
             beat = pack(Envelope(kind=HEARTBEAT_KIND, sender=self.name, seq=self._seq))
             try:
-                sock.send_multipart([rid, *beat], flags=zmq.NOBLOCK)
+                self._socket_of(name).send_multipart([rid, *beat], flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # gone or congested; loss detection is on the receive side
                 self.logger.debug("heartbeat to %s not sent", name)
 
@@ -415,7 +483,7 @@ class Hub(Endpoint):
                 self.logger.warning("lost %s: silent for %.1f s", name, silent)
                 raise PeerLost(name, silent_for=silent, peer_timeout=self.peer_timeout)
 
-    def _handle(self, received: Received) -> None:
+    def _handle(self, received: Received, *, local: bool = False) -> None:
         frames = received.frames
         rid = frames[0].bytes
         body = frames[1:]
@@ -423,7 +491,7 @@ class Hub(Endpoint):
         try:
             if not body:
                 raise EnvelopeError("the message has no frames after the routing id")
-            name, from_heartbeat_socket, tokened = self._identify(rid, body[0])
+            name, from_heartbeat_socket, tokened = self._identify(rid, body[0], local=local)
             who = name
             if received.overflow is not None:
                 raise EnvelopeError(received.overflow)
@@ -500,15 +568,30 @@ class Hub(Endpoint):
         if self._auth is not None:
             self._auth.connected = frozenset(self._routes)
 
-    def _identify(self, rid: bytes, frame: zmq.Frame) -> tuple[str, bool, bool]:
+    def _identify(
+        self, rid: bytes, frame: zmq.Frame, *, local: bool = False
+    ) -> tuple[str, bool, bool]:
         """The authenticated role behind a connection, whether this is its heartbeat socket,
         and whether its routing id carries a token; refuses a routing id that claims another
-        role than the connection's CURVE key, or that has no role in it."""
+        role than the connection's CURVE key (or, on the local socket, than the local role),
+        or that has no role in it."""
         parsed = parse_routing_id(rid)
         if parsed is None:
             raise EnvelopeError(
                 f"routing id {describe_routing_id(rid)} is not of the form <role>/<token>; "
                 "connect with transport.Peer"
+            )
+        if local:  # only this process can reach the local socket, and it serves one role
+            if parsed.name != self.local:
+                raise EnvelopeError(
+                    f"the in-process socket serves {quote(self.local or '')} only, not "
+                    f"{quote(parsed.name)}"
+                )
+            return parsed.name, parsed.heartbeat, parsed.tokened
+        if parsed.name == self.local:
+            raise EnvelopeError(
+                f"{quote(parsed.name)} runs in the hub's own process and is served there only, "
+                f"never over {self.endpoint} (a remote process using its name or key)"
             )
         if not self.curve:  # inproc: the routing id is all there is
             if self.allowlist is not None and parsed.name not in self.allowlist:

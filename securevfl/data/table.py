@@ -180,6 +180,16 @@ class PartyTable:
         pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
         return self.ids[pos] == ids
 
+    def held_ids(self, ids: np.ndarray) -> np.ndarray:
+        """`ids[self.has(ids)]`: the rows of `ids` this table holds, in that order. For a
+        streamed table, computed a block at a time into a file of its row cache (no mask or
+        copy of `ids` in memory)."""
+        if not self.streamed:
+            return np.asarray(ids, dtype=np.int64)[self.has(ids)]
+        from securevfl.data.rowarrays import filter_ids
+
+        return filter_ids(self.rowstore.arrays(), ids, self.has, "held")
+
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """float64 [len(ids), n_columns]: the encoded rows of `ids`, in that order."""
         if not self._encoded:

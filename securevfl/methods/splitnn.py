@@ -71,7 +71,7 @@ class SplitNNParty(PartyMethod):
         from securevfl.privacy.runtime import private_training
 
         train_ids = inputs["train_ids"]
-        self.scaler = Standardizer().fit_table(self.table, train_ids[self.table.has(train_ids)])
+        self.scaler = Standardizer().fit_table(self.table, self.table.held_ids(train_ids))
         keep_codes(self.scaler, self.table)  # categorical codes ([categorical] embedding) as is
         seed = derived_seed(self.config.seed, "encoder", self.name)
         self.encoder = with_embeddings(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -293,8 +294,9 @@ class RolePrivacy:
         return self.plan.accountant
 
     def set_rows(self, ids: np.ndarray) -> None:
-        """Every sample id this role may release a row of (for per-row use counts)."""
-        self._rows = np.unique(np.asarray(ids, dtype=np.int64))
+        """Every sample id this role may release a row of (for per-row use counts). A sorted
+        id list in a file (a streamed table's, as a read-only map) is kept as is, not copied."""
+        self._rows = sorted_unique(ids)
 
     def steps_spent(self, mechanism: str) -> int:
         """Steps of ``mechanism`` this role has in the ledger (earlier runs included)."""
@@ -451,20 +453,32 @@ class RowReleases:
         self.mechanism = mechanism
         self.base = privacy.steps_spent(mechanism.name)
         self.recorded = self.base
-        self.ids = (
-            np.unique(np.asarray(universe, dtype=np.int64))
-            if universe is not None
-            else np.empty(0, dtype=np.int64)
-        )
-        self.counts = np.full(len(self.ids), self.base, dtype=np.int64)
+        self.ids = sorted_unique(universe) if universe is not None else np.empty(0, np.int64)
+        # each row's uses in this run beyond `base`, in the narrowest unsigned type that holds
+        # them (1 byte a row until some row is used 256 times), and the largest of them: a
+        # release reads and writes only its own rows' entries
+        self.uses = np.zeros(len(self.ids), dtype=np.uint8)
+        self.most = 0
         self._anonymous_rows: dict[int, int] = {}
         self._anonymous_steps = 0
+        self._looked_up = 0  # ids looked up in a mapped universe since its pages went back
+
+    @property
+    def counts(self) -> np.ndarray:
+        """int64, each row's uses counted by the ledger (`base` plus this run's): built on
+        request, for inspection."""
+        return self.base + self.uses.astype(np.int64)
 
     def _positions(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         pos = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
         if len(self.ids) == 0 or not np.array_equal(self.ids[pos], ids):
             raise ValueError(f"{self.mechanism.name}: release of rows this role was not told of")
+        mapped = _map_of(self.ids)
+        self._looked_up += len(ids)
+        if mapped is not None and self._looked_up >= _RELEASE_LOOKUPS:
+            mapped.madvise(mmap.MADV_DONTNEED)  # a read-only file map: its pages go back
+            self._looked_up = 0
         return pos
 
     def release(
@@ -472,16 +486,17 @@ class RowReleases:
     ) -> dict[str, np.ndarray]:
         """Charge the release if it raises the most-used row's count, then clip and noise."""
         rows = int(np.shape(next(iter(values.values())))[0])
-        counts = self.counts
+        most = self.most
         anonymous = self._anonymous_steps
         if ids is None:
             seen = self._anonymous_rows.get(epoch, 0) + rows
             n = max(self.privacy.plan.n_train, 1)
             anonymous += math.ceil(seen / n) - math.ceil(self._anonymous_rows.get(epoch, 0) / n)
         else:
-            counts = counts.copy()
-            np.add.at(counts, self._positions(ids), 1)
-        new_max = int(counts.max(initial=self.base)) + anonymous
+            at, times = np.unique(self._positions(ids), return_counts=True)
+            used = self.uses[at].astype(np.int64) + times
+            most = max(most, int(used.max(initial=0)))  # counts only grow: the max is local
+        new_max = self.base + most + anonymous
         if new_max > self.recorded:
             self.privacy.charge(
                 self.mechanism,
@@ -490,7 +505,11 @@ class RowReleases:
                 note="per-row uses, no amplification",
             )
             self.recorded = new_max
-        self.counts = counts
+        if ids is not None:
+            if most > np.iinfo(self.uses.dtype).max:  # a row used 256 (65536, ...) times
+                self.uses = self.uses.astype(np.min_scalar_type(2 * most))
+            self.uses[at] = used
+        self.most = most
         self._anonymous_steps = anonymous
         if ids is None:
             self._anonymous_rows[epoch] = self._anonymous_rows.get(epoch, 0) + rows
@@ -502,6 +521,35 @@ class RowReleases:
         return {
             k: noised[k].numpy().astype(np.asarray(values[k]).dtype, copy=False) for k in values
         }
+
+
+_RELEASE_LOOKUPS = 1 << 20  # ids looked up in a mapped universe before its pages go back
+
+
+def sorted_unique(ids: Any) -> np.ndarray:
+    """`np.unique(ids)` as int64; an int64 array over a map of a file (a streamed table's id
+    list, or a view of one) that is already sorted and unique (checked a block at a time) is
+    returned as is."""
+    mapped = isinstance(ids, np.ndarray) and _map_of(ids) is not None
+    if mapped and ids.dtype == np.int64 and ids.ndim == 1:
+        from securevfl.data.rowarrays import id_slices
+
+        last = None
+        for _, block in id_slices(ids):
+            if (last is not None and block[0] <= last) or not (block[1:] > block[:-1]).all():
+                break
+            last = block[-1] if len(block) else last
+        else:
+            return ids
+    return np.unique(np.asarray(ids, dtype=np.int64))
+
+
+def _map_of(array: Any) -> mmap.mmap | None:
+    while isinstance(array, np.ndarray):
+        if isinstance(array, np.memmap):
+            return getattr(array, "_mmap", None)
+        array = array.base
+    return None
 
 
 # ------------------------------------------------------------------------------- DP-SGD

@@ -24,6 +24,7 @@ from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.privacy.run_audit import epsilon_summary, write_manifest
 from securevfl.roles import protocol as P
 from securevfl.roles.active_round import ActiveRound, train_and_evaluate
+from securevfl.roles.aggregator import aggregator_link
 from securevfl.roles.checkpoint import latest_epoch, load_checkpoint
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.party import report_failure
@@ -66,9 +67,14 @@ def run_active(
             print(f"resuming after epoch {last + 1}", file=out, flush=True)
     # opened before the handshake, so before any role of the run records anything
     ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
-    with _active_session(
-        cfg, keys_dir, address, logger, context, method, run_dir, start_epoch, out
-    ) as (conn, ctx):
+    with (
+        aggregator_link(
+            cfg, keys_dir=keys_dir, address=address, run_dir=run_dir, context=context
+        ) as (address, context),
+        _active_session(
+            cfg, keys_dir, address, logger, context, method, run_dir, start_epoch, out
+        ) as (conn, ctx),
+    ):
         # N is the training set the parties are told of at set-up: every role derives the same
         # delta from it (a bad delta or budget is a ConfigError: exit status 2)
         ctx.start(train_ids=train_ids, ledger=ledger)
@@ -246,14 +252,19 @@ def run_active_scoring(
     method = method_spec(cfg.method).active_class()(table=table, config=cfg, device=device)
     method.load_state_dict(saved["method"])
     ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
-    with _active_session(
-        cfg, keys_dir, address, logger, context, method, run_dir, last + 1, out
-    ) as (conn, ctx):
+    with (
+        aggregator_link(
+            cfg, keys_dir=keys_dir, address=address, run_dir=run_dir, context=context
+        ) as (address, context),
+        _active_session(
+            cfg, keys_dir, address, logger, context, method, run_dir, last + 1, out
+        ) as (conn, ctx),
+    ):
         ctx.start(train_ids=table.ids, ledger=ledger)
         ids, outputs = score(ctx)
         write_predictions(predictions, table, ids, outputs)
-        if not np.isnan(table.label_rows(ids)).any():
-            metrics = prediction_metrics(cfg.task, table.label_rows(ids), outputs)
+        metrics = scored_metrics(cfg.task, table, ids, outputs)
+        if metrics is not None:
             print("scored: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=out)
         print(f"wrote {len(ids)} predictions to {predictions}", file=out, flush=True)
         _bye(conn, ctx, cfg)
@@ -268,12 +279,38 @@ def write_predictions(path: Path, table: Any, ids: np.ndarray, outputs: np.ndarr
     cols = ["output"] if outputs.ndim == 1 else [f"output_{j}" for j in range(outputs.shape[1])]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    outputs = outputs.reshape(len(ids), -1)
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["id", *cols])
-        for text, row in zip(table.texts(ids), outputs.reshape(len(ids), -1), strict=True):
-            w.writerow([text, *(repr(float(v)) for v in row)])
+        for start in range(0, len(ids), SCORE_CHUNK):  # the ids' texts a chunk at a time
+            block = ids[start : start + SCORE_CHUNK]
+            rows = outputs[start : start + len(block)]
+            for text, row in zip(table.texts(block), rows, strict=True):
+                w.writerow([text, *(repr(float(v)) for v in row)])
     return path
+
+
+SCORE_CHUNK = 4096  # rows whose id texts and labels are read at once when scoring
+
+
+def scored_metrics(
+    task: str, table: Any, ids: np.ndarray, outputs: np.ndarray
+) -> dict[str, float] | None:
+    """`prediction_metrics` of the scored rows when every one has a label (None otherwise).
+    Classes (the block methods) are counted a chunk of labels at a time; raw outputs need every
+    label at once (ROC-AUC)."""
+    outputs = np.asarray(outputs)
+    if outputs.dtype.kind not in "iu":
+        labels = table.label_rows(ids)
+        return None if np.isnan(labels).any() else prediction_metrics(task, labels, outputs)
+    right = 0
+    for start in range(0, len(ids), SCORE_CHUNK):
+        labels = table.label_rows(ids[start : start + SCORE_CHUNK])
+        if np.isnan(labels).any():
+            return None
+        right += int((outputs[start : start + len(labels)] == labels).sum())
+    return {"accuracy": right / len(ids) if len(ids) else float("nan")}
 
 
 def prediction_metrics(task: str, labels: np.ndarray, outputs: np.ndarray) -> dict[str, float]:
@@ -287,8 +324,14 @@ def prediction_metrics(task: str, labels: np.ndarray, outputs: np.ndarray) -> di
 
 
 def load_presence(path: Path, table: Any, parties: Sequence[str]) -> dict[str, np.ndarray]:
-    """`securevfl align`'s presence.csv: party -> bool over the active table's ids."""
+    """`securevfl align`'s presence.csv: party -> bool over the active table's ids (a streamed
+    table: read a part at a time into files of its row cache)."""
     import csv
+
+    if getattr(table, "streamed", False):
+        from securevfl.roles.setup_rows import load_presence_in_parts
+
+        return load_presence_in_parts(path, table, parties)
 
     from securevfl.data.columns import row_ids
     from securevfl.errors import DataError

@@ -530,7 +530,9 @@ class ActiveRound:
         authenticated public context); each answers which of the active party's rows it holds.
         `scoring`: a trained model (the checkpoint of epoch start_epoch - 1) scores new rows."""
         cfg = self.config
-        inputs: dict[str, np.ndarray] = {"train_ids": train_ids, "all_ids": self.method.table.ids}
+        inputs: dict[str, np.ndarray] = {}
+        if not self.method.table.streamed:  # else: a part at a time (`setup_rows`)
+            inputs = {"train_ids": train_ids, "all_ids": self.method.table.ids}
         # what the active party runs: each party compares it with its own config
         args: dict[str, Any] = {"resume_epoch": self.start_epoch - 1, "run": run_terms(cfg)}
         if scoring:
@@ -548,6 +550,11 @@ class ActiveRound:
                 ).hex()
                 for p in self.parties
             }
+        if self.method.table.streamed:  # its rows a part at a time
+            from securevfl.roles.setup_rows import setup_in_parts
+
+            self.set_presence(setup_in_parts(self, train_ids=train_ids, args=args, inputs=inputs))
+            return
         if self.shared is None:
             held = self.call(
                 P.OP_SETUP,

@@ -1,14 +1,23 @@
 """The aggregator role: the ZeroMQ hub. It forwards the active party's calls, adds the protected
 contributions of exactly each sum's group, and forwards only sums. It holds no data, no labels
-and (in ckks mode) only the public CKKS context."""
+and (in ckks mode) only the public CKKS context.
+
+It runs as its own process (`run_aggregator`) or, with [network] aggregator_in_active (plain and
+mask only), as a thread of the active party's process (`colocated_aggregator`): the same loop,
+its own sockets, the parties connecting to it as before and the active party over an in-process
+socket, one network hop per round fewer."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from securevfl.config import RunConfig
@@ -484,6 +493,14 @@ def run_aggregator(
     context: Any = None,
     on_bound: Any = None,
 ) -> int:
+    if cfg.aggregator_in_active:
+        from securevfl.config import ConfigError
+
+        raise ConfigError(
+            "[network] aggregator_in_active",
+            "this config runs the aggregator inside the active party's process; do not start it "
+            "as its own role (or set aggregator_in_active = false to run it separately)",
+        )
     public = load_public(keys_dir)
     secrets = load_secrets(keys_dir, AGGREGATOR)
     allow = Allowlist({r: public.curve_public(r) for r in cfg.role_names})
@@ -506,3 +523,125 @@ def run_aggregator(
         return Aggregator(cfg=cfg, hub=hub, logger=logger).run()
     finally:
         hub.close()
+
+
+@dataclass
+class Colocated:
+    """The aggregator thread of the active party's process: where the active party connects
+    (`endpoint`, an inproc:// socket of `context`) and, once the thread ended, its exit
+    status (`code`)."""
+
+    endpoint: str
+    context: Any
+    thread: threading.Thread | None = None
+    code: int | None = None
+
+
+@contextlib.contextmanager
+def colocated_aggregator(
+    cfg: RunConfig,
+    *,
+    keys_dir: Any,
+    bind: str,
+    run_dir: Path,
+    context: Any = None,
+) -> Iterator[Colocated]:
+    """[network] aggregator_in_active: the aggregator as a thread of the active party's process,
+    with its own hub bound at `bind` (CURVE over TCP for the parties; inproc:// without CURVE
+    when the whole federation runs in one process) and an in-process socket for the active
+    party, which connects to `Colocated.endpoint` in `Colocated.context`. The hub serves the
+    active party there only: its key is left out of the hub's allowlist, so no other process
+    can join as the active party.
+
+    What it changes for privacy: the active party's process sees what the aggregator sees, the
+    protected contributions one by one. With mask these are uniformly random ring elements
+    (the pairwise masks are keyed between passive parties only, and groups hold passive parties
+    only), so it learns the sums and nothing more, as the design allows; with plain it sees the
+    representations it already sees. Refused with ckks (the aggregator would sit next to the
+    secret key); config validation refuses that earlier, this is the last line. Every party
+    learns of the colocation from its own config and from the active party's authenticated
+    set-up (`securevfl.roles.guard.run_terms`), and its policy may refuse it
+    (`[policy] aggregator_in_active = false`).
+
+    On the way out it waits (a few seconds at most) for the aggregator thread to end: after
+    the active party's bye it ends with the final stats; after a failure the active party
+    reported (or an abort it received) it ends too."""
+    import zmq
+
+    from securevfl.errors import exit_code_for
+
+    if cfg.aggregation == "ckks":
+        raise P.RunAborted(
+            "refusing to run the aggregator in the active party's process with ckks: the "
+            "aggregator sees every ciphertext and the active party holds the secret key; set "
+            "[network] aggregator_in_active = false"
+        )
+    logger = P.role_logger(AGGREGATOR, Path(run_dir))
+    own_context = context is None
+    ctx = zmq.Context() if own_context else context
+    public = load_public(keys_dir)
+    secrets = load_secrets(keys_dir, AGGREGATOR)
+    # the passive parties only: the active party is served in-process and nowhere else
+    allow = Allowlist({r: public.curve_public(r) for r in cfg.party_names})
+    hub = Hub(
+        name=AGGREGATOR,
+        bind=bind,
+        keypair=secrets.curve,
+        allowlist=allow,
+        kinds=P.KINDS,
+        heartbeat_interval=cfg.heartbeat_interval,
+        peer_timeout=cfg.peer_timeout,
+        logger=logger,
+        context=ctx,
+        curve=not bind.startswith("inproc://"),
+        local=cfg.active_name,
+    )
+    assert hub.local_endpoint is not None
+    logger.info(
+        "aggregator (in %s's process, pid %d) listening on %s; %s connects in-process",
+        cfg.active_name,
+        os.getpid(),
+        hub.endpoint,
+        cfg.active_name,
+    )
+    link = Colocated(endpoint=hub.local_endpoint, context=ctx)
+
+    def body() -> None:
+        try:
+            link.code = Aggregator(cfg=cfg, hub=hub, logger=logger).run()
+        except Exception as exc:  # the active party learns of it as a lost aggregator
+            logger.exception("failed: %s", exc)
+            link.code = exit_code_for(exc)
+        finally:
+            hub.close()
+
+    link.thread = threading.Thread(target=body, name="securevfl-aggregator", daemon=True)
+    link.thread.start()
+    try:
+        yield link
+    finally:
+        link.thread.join(timeout=10.0)
+        if link.thread.is_alive():
+            logger.warning("the aggregator thread did not stop within 10 s of the active party")
+        elif link.code not in (None, P.EXIT_OK):
+            logger.warning("the aggregator thread stopped with exit status %s", link.code)
+        if own_context and not link.thread.is_alive():
+            ctx.term()
+
+
+@contextlib.contextmanager
+def aggregator_link(
+    cfg: RunConfig, *, keys_dir: Any, address: str, run_dir: Path, context: Any = None
+) -> Iterator[tuple[str, Any]]:
+    """Where the active party connects, as (address, zmq context): `address` and `context`
+    unchanged, or with [network] aggregator_in_active, its own aggregator thread
+    (`colocated_aggregator`, bound at [network] bind, else at `address`; at `address` itself
+    when it is inproc://, a whole federation in one process)."""
+    if not cfg.aggregator_in_active:
+        yield address, context
+        return
+    bind = address if address.startswith("inproc://") else (cfg.bind_address or address)
+    with colocated_aggregator(
+        cfg, keys_dir=keys_dir, bind=bind, run_dir=run_dir, context=context
+    ) as link:
+        yield link.endpoint, link.context

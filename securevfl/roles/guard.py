@@ -217,6 +217,10 @@ class CallGuard:
             raise self.refuse("recipients", f"a call for {list(call.to)} reached {self.name!r}")
         if call.op == P.OP_SETUP:
             return self._check_setup(call)
+        if call.op == P.OP_SETUP_ROWS:  # a part of a streamed table's rows, before set-up
+            return self._check_setup(call, inputs=("all_ids", "train_bits"), collects=())
+        if call.op == P.OP_SETUP_PRESENT:  # which rows of a part it holds, after set-up
+            return self._check_setup(call, inputs=(), collects=("present",))
         if call.op == P.OP_CHECKPOINT:
             return self._check_plain_call(call, inputs=(), collects=())
         op = self.spec.operation(call.op)
@@ -313,10 +317,14 @@ class CallGuard:
                 "role operation", f"{call.op!r} asks for sums or tensors it never carries"
             )
 
-    def _check_setup(self, call: Any) -> None:
-        self._check_plain_call(
-            call, inputs=("train_ids", "all_ids", "ckks_context"), collects=("present",)
-        )
+    def _check_setup(
+        self,
+        call: Any,
+        *,
+        inputs: Sequence[str] = ("train_ids", "all_ids", "ckks_context"),
+        collects: Sequence[str] = ("present",),
+    ) -> None:
+        self._check_plain_call(call, inputs=inputs, collects=collects)
         if "present" in call.collect and not self.policy.share_presence:
             raise self.refuse(
                 "share_presence", "set-up asks which rows this party holds; its policy says no"
@@ -334,13 +342,16 @@ class CallGuard:
 
 def run_terms(cfg: RunConfig) -> dict[str, Any]:
     """What the active party announces at set-up and each party compares with its own config:
-    the method, the aggregation, min_group, and the pipeline depth (a party accepts only the
-    staleness its own config allows)."""
+    the method, the aggregation, min_group, the pipeline depth (a party accepts only the
+    staleness its own config allows), and whether the aggregator runs in the active party's
+    process (a party knows it from its own config, which its policy may refuse, and holds the
+    active party to it)."""
     return {
         "method": cfg.method,
         "aggregation": cfg.aggregation,
         "min_group": cfg.min_group,
         "pipeline_depth": cfg.pipeline_depth,
+        "aggregator_in_active": cfg.aggregator_in_active,
     }
 
 

@@ -44,6 +44,10 @@ KINDS = frozenset({HELLO, WELCOME, CALL, CONTRIB, RESULT, ABORT, ERROR, BYE, STA
 # operations the roles handle themselves (not the method)
 OP_SETUP = "setup"
 OP_CHECKPOINT = "checkpoint"
+# a streamed active table's set-up rows, a part at a time (`securevfl.roles.setup_rows`)
+OP_SETUP_ROWS = "setup.rows"
+OP_SETUP_PRESENT = "setup.present"
+SETUP_OPS = frozenset({OP_SETUP, OP_SETUP_ROWS, OP_SETUP_PRESENT})
 
 
 def session_id(nonces: Mapping[str, str]) -> str:

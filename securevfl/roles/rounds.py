@@ -35,6 +35,7 @@ from securevfl.errors import RunAborted
 from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import epochs, load_checkpoint, save_checkpoint
+from securevfl.roles.setup_rows import held_count
 from securevfl.secure_sum import (
     ContributionError,
     GroupTooSmall,
@@ -287,6 +288,7 @@ class PartyRound:
         self.privacy: Any = None
         self.received: Any = None
         self._single_sums: set[tuple[str, str, int]] = set()
+        self.told_rows: Any = None  # set-up's rows received part by part (`setup_rows`)
         # the run's own state that checkpoint calls are held to (see `_epoch_of`)
         self.committed_epoch = -1
         self.calls_since_commit = 0
@@ -317,6 +319,8 @@ class PartyRound:
             self._check(call)
             if call.op == P.OP_SETUP:
                 tensors.update(self._setup(call))
+            elif call.op in (P.OP_SETUP_ROWS, P.OP_SETUP_PRESENT):
+                tensors.update(self._setup_rows(call))
             elif call.op == P.OP_CHECKPOINT:
                 tensors.update(self._checkpoint(call))
             else:
@@ -332,7 +336,7 @@ class PartyRound:
         started = time.perf_counter()
         try:
             self.guard.check(call)
-            if call.op not in (P.OP_SETUP, P.OP_CHECKPOINT):
+            if call.op not in P.SETUP_OPS and call.op != P.OP_CHECKPOINT:
                 reason = self.method.check_call(
                     call.op,
                     ids=call.ids,
@@ -359,6 +363,9 @@ class PartyRound:
         from securevfl.privacy.runtime import ReceivedGradients, RolePrivacy, plan_role
 
         inputs = call.inputs
+        announced = call.args.get("rows")
+        if announced is not None:  # the rows came before, part by part (a streamed table)
+            inputs = {**inputs, **self._rows_told(call, announced)}
         resume_epoch = self._resume_epoch_of(call)
         scoring = bool(call.args.get("predict", False))
         saved = (
@@ -372,7 +379,7 @@ class PartyRound:
             self.method.table.prepare(np.asarray(inputs["train_ids"]))
         # N = the training rows this party holds: DP-SGD's sample rate B/N (and delta < 1/N)
         # must not count rows the party never trains on
-        held = int(np.count_nonzero(self.method.table.has(np.asarray(inputs["train_ids"]))))
+        held = held_count(self.method.table, inputs["train_ids"])
         plan = plan_role(self.cfg, role=self.name, n_train=held or len(inputs["train_ids"]))
         self.privacy = RolePrivacy(plan=plan, ledger=self.ledger)
         self.privacy.set_rows(inputs["all_ids"])
@@ -412,8 +419,48 @@ class PartyRound:
             self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
         self.privacy.epoch = resume_epoch + 1
         self.committed_epoch, self.calls_since_commit = resume_epoch, 0
+        if announced is not None:  # answered part by part (setup.present)
+            return {}
         # which of the active party's rows this party holds (what a PSI would tell it)
         return {f"present@{self.name}": self.method.table.has(inputs["all_ids"])}
+
+    def _rows_told(self, call: Call, announced: Any) -> dict[str, np.ndarray]:
+        """The training and all ids that set-up announces, as received part by part."""
+        from securevfl.roles.setup_rows import RowsRefused
+
+        if "train_ids" in call.inputs or "all_ids" in call.inputs:
+            raise self.guard.refuse("setup rows", "set-up sends its ids and announces parts too")
+        try:
+            if self.told_rows is None:
+                raise RowsRefused(f"set-up announces {announced!r} but no part was received")
+            train_ids, all_ids = self.told_rows.finish(announced)
+        except RowsRefused as exc:
+            raise self.guard.refuse("setup rows", str(exc)) from None
+        return {"train_ids": train_ids, "all_ids": all_ids}
+
+    def _setup_rows(self, call: Call) -> dict[str, np.ndarray]:
+        """setup.rows: keep a part of the rows set-up will announce; setup.present: answer
+        which ids of a part this party holds (only after set-up ran on them)."""
+        from securevfl.roles.setup_rows import ReceivedRows, RowsRefused, party_arrays
+
+        part = call.args.get("part")
+        try:
+            if call.op == P.OP_SETUP_PRESENT:
+                if self.told_rows is None:
+                    raise RowsRefused("setup.present before any setup.rows part")
+                ids = self.told_rows.part(part)
+                return {f"present@{self.name}": self.method.table.has(ids)}
+            if part == 0 or self.told_rows is None:  # a new set-up starts with part 0
+                arrays = party_arrays(self.method.table, self.run_dir / "rows")
+                self.told_rows = ReceivedRows(arrays)
+            self.told_rows.add(
+                part, np.asarray(call.inputs["all_ids"]), np.asarray(call.inputs["train_bits"])
+            )
+        except KeyError as exc:
+            raise self.guard.refuse("setup rows", f"setup.rows carries no {exc}") from None
+        except RowsRefused as exc:
+            raise self.guard.refuse("setup rows", str(exc)) from None
+        return {}
 
     def _checkpoint(self, call: Call) -> dict[str, np.ndarray]:
         epoch = self._epoch_of(call)

@@ -193,7 +193,13 @@ class Attacker:
         return replies
 
     def setup(self):
-        run = {"method": "splitnn", "aggregation": "mask", "min_group": 2, "pipeline_depth": 0}
+        run = {
+            "method": "splitnn",
+            "aggregation": "mask",
+            "min_group": 2,
+            "pipeline_depth": 0,
+            "aggregator_in_active": False,
+        }
         return self.call(
             "setup",
             ids=np.empty(0, dtype=np.int64),

@@ -223,3 +223,29 @@ def test_what_the_active_partys_path_allocates_does_not_grow_with_its_rows(tmp_p
     small = _active_peak(tmp_path, n)
     large = _active_peak(tmp_path, 4 * n)
     assert large < 1.25 * small, (small, large)
+
+
+def test_held_ids_of_a_streamed_table_are_filtered_a_block_at_a_time_into_a_file(
+    tmp_path, small_blocks, monkeypatch
+):
+    """A party's set-up keeps the training rows it holds (`PartyTable.held_ids`): for a streamed
+    table a file of its row cache, filled a block at a time, equal to the in-memory filter."""
+    cfg = config(tmp_path, stream=True)
+    streamed = load(tmp_path, 9000, cfg)
+    memory = load(tmp_path, 9000, replace(cfg, stream=False))
+    rng = np.random.default_rng(3)
+    asked = np.concatenate([rng.choice(streamed.ids, 5000, replace=False), [10**12, -5]])
+    widths: list[int] = []
+    has = tables.PartyTable.has
+
+    def spy(self, ids):
+        widths.append(len(ids))
+        return has(self, ids)
+
+    monkeypatch.setattr(tables.PartyTable, "has", spy)
+    held = streamed.held_ids(asked)
+    assert isinstance(held, np.memmap)  # a file of the row cache, not an array in memory
+    assert max(widths) <= rowarrays.BLOCK < len(asked)
+    widths.clear()
+    np.testing.assert_array_equal(held, memory.held_ids(asked))
+    np.testing.assert_array_equal(memory.held_ids(asked), asked[: len(asked) - 2])

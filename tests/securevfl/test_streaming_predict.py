@@ -247,3 +247,36 @@ def test_securevfl_predict_on_a_streamed_table_equals_in_memory_scoring(tmp_path
     assert sorted(by_id) == sorted(ids.tolist()) and len(ids) == 120
     assert [by_id[i] for i in ids] == [float(c) for c in classes]
     assert set(np.unique(classes)) <= {0, 1}
+
+
+class _Rows:
+    """A table as `write_predictions` / `scored_metrics` see it, recording each read's width."""
+
+    def __init__(self, labels):
+        self.labels, self.widths = np.asarray(labels, dtype=float), []
+
+    def texts(self, ids):
+        self.widths.append(len(ids))
+        return [f"r{i}" for i in ids]
+
+    def label_rows(self, ids):
+        self.widths.append(len(ids))
+        return self.labels[ids]
+
+
+def test_predictions_and_class_accuracy_are_written_a_chunk_of_ids_at_a_time(tmp_path, monkeypatch):
+    from securevfl.roles import active
+
+    monkeypatch.setattr(active, "SCORE_CHUNK", 4)
+    ids = np.arange(10)
+    table = _Rows([0, 1, 1, 0, 1, 0, 0, 1, 1, 1])
+    classes = np.array([0, 1, 0, 0, 1, 0, 1, 1, 1, 0])
+    path = active.write_predictions(tmp_path / "p.csv", table, ids, classes)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "id,output" and lines[1:] == [
+        f"r{i},{float(c)!r}" for i, c in enumerate(classes)
+    ]
+    assert active.scored_metrics("binary", table, ids, classes) == {"accuracy": 0.7}
+    assert max(table.widths) <= 4
+    table.labels[7] = np.nan  # a row without its label: no metrics
+    assert active.scored_metrics("binary", table, ids, classes) is None

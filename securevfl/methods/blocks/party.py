@@ -82,7 +82,7 @@ class BlockParty(PartyMethod):
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         train_ids = np.asarray(inputs["train_ids"])
-        held = train_ids[self.table.has(train_ids)]
+        held = self.table.held_ids(train_ids)
         streamed = getattr(self.table, "streamed", False)
         # a table streamed from disk is summarised block by block and scaled batch by batch
         self.scaler = fit_scaler(

@@ -52,7 +52,7 @@ class FalseVFLPartyMethod(PartyMethod):
         train = np.asarray(inputs["train_ids"])
         # z-scores from the training rows this party holds (the paper z-scores every block)
         # a table streamed from disk: fitted from a column summary, scaled batch by batch
-        self.scaler = Standardizer().fit_table(self.table, train[self.table.has(train)])
+        self.scaler = Standardizer().fit_table(self.table, self.table.held_ids(train))
         self._scaled = None if self._streamed else self.scaler.transform(self.table.values)
         self.model_cfg = config_from_options(opts)
         self.model = FalseVFLParty(

@@ -91,7 +91,7 @@ class _GuestBase(PartyMethod):
         from securevfl.methods.tabvfl.tabnet import seeded_generator
 
         train = np.asarray(inputs["train_ids"])
-        self.scaler = ColumnScaler().fit_table(self.table, train[self.table.has(train)])
+        self.scaler = ColumnScaler().fit_table(self.table, self.table.held_ids(train))
         self.cfg = tabnet_config(self.config.options)
         seed = self.config.seed
         self.model = self._build(

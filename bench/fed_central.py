@@ -1,0 +1,167 @@
+"""Federated plain epoch against the centralised single-process epoch of the same model, side by
+side in one invocation (issue 17's floor: <= 3x with 2..8 parties on a 2-core machine).
+
+Each arm is a real multi-process federation (`fedbench.run_federation`: the commands
+`securevfl run` starts, CURVE on loopback); the centralised reference is `fedbench.centralised`
+in a fresh process. Both time the same thing: the training batches of one epoch (the
+federation's epoch clock stops before its per-epoch checkpoint round and restarts after it;
+evaluation runs after training on both sides, untimed). Arms, centralised runs and party counts
+are interleaved in every repeat so that a change in the machine's load hits them alike.
+
+    python bench/fed_central.py [--rows 10000] [--parties 2,4,8] [--epochs 3] [--repeats 2]
+        [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
+
+An arm runs the roles with PYTHONPATH=TREE (a copy of the code, e.g. `git archive HEAD`, to
+compare an older version) and the config overrides KEY=VALUE (e.g.
+network.aggregator_in_active=true). Default arms: `plain` (this tree) and `plain+aia` (this tree,
+the aggregator in the active party's process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import fedbench as F  # noqa: E402
+
+
+def parse_arm(text: str) -> tuple[str, str | None, dict[str, Any]]:
+    """NAME=TREE[:section.key=value,...] -> (name, tree or None for this one, overrides)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--arm {text!r}: expected NAME=TREE[:section.key=value,...]")
+    tree, _, opts = rest.partition(":")
+    overrides: dict[str, Any] = {}
+    for pair in filter(None, opts.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--arm {text!r}: override {pair!r} is not section.key=value")
+        overrides[key] = (
+            json.loads(value) if value in ("true", "false") or value.isdigit() else value
+        )
+    return name, (None if tree in ("", ".") else str(Path(tree).resolve())), overrides
+
+
+def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(raw))
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=10_000)
+    ap.add_argument("--parties", default="2,4,8")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--arm", action="append", default=[])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-fed-central"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    arms = [
+        parse_arm(a)
+        for a in (args.arm or ["plain=.", "plain+aia=.:network.aggregator_in_active=true"])
+    ]
+    ks = [int(k) for k in args.parties.split(",")]
+    started = time.time()
+    runs: list[dict[str, Any]] = []
+    preps = {}
+    for k in ks:
+        ds = F.synthetic(args.work / "tables", rows=args.rows, parties=k)
+        preps[k] = F.prepare(ds, args.work)
+    for rep in range(args.repeats):
+        for k in ks:
+            prep = preps[k]
+            raw = F.config_raw(
+                prep.dataset, aggregation="plain", epochs=args.epochs, batch_size=args.batch
+            )
+            c = F.run_centralised(prep, raw, args.work / f"r{rep}-k{k}-centralised")
+            c.update(arm="centralised", parties=k, repeat=rep)
+            runs.append(c)
+            print(f"k={k} rep={rep} centralised {c.get('epoch_seconds')}", flush=True)
+            for name, tree, overrides in arms:
+                r = F.run_federation(
+                    prep,
+                    with_overrides(raw, overrides),
+                    args.work / f"r{rep}-k{k}-{name}",
+                    pythonpath=tree,
+                )
+                r.update(arm=name, repeat=rep, tree=tree or "this", overrides=overrides)
+                runs.append(r)
+                print(
+                    f"k={k} rep={rep} {name} ok={r['ok']} {r.get('epoch_seconds')} "
+                    f"processes={r['processes']} load={r['load_before']}",
+                    flush=True,
+                )
+                if not r["ok"]:
+                    print(r.get("error", ""), file=sys.stderr)
+                if args.out is not None:  # what is done so far survives an interrupted run
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.with_suffix(".partial.json").write_text(
+                        json.dumps(runs, indent=1, default=str) + "\n"
+                    )
+    table = []
+    for k in ks:
+        cen = [
+            x
+            for r in runs
+            if r["arm"] == "centralised" and r["parties"] == k
+            for x in r.get("epoch_seconds", [])
+        ]
+        cpu = [
+            x
+            for r in runs
+            if r["arm"] == "centralised" and r["parties"] == k
+            for x in r.get("epoch_cpu_seconds", [])
+        ]
+        row: dict[str, Any] = {
+            "parties": k,
+            "centralised_epoch_s": statistics.median(cen),
+            "centralised_cpu_s": statistics.median(cpu),
+        }
+        for name, _, _ in arms:
+            fed = [
+                x
+                for r in runs
+                if r["arm"] == name and r["parties"] == k and r["ok"]
+                for x in r["epoch_seconds"]
+            ]
+            if fed:
+                row[f"{name}_epoch_s"] = statistics.median(fed)
+                row[f"{name}_ratio"] = statistics.median(fed) / row["centralised_epoch_s"]
+                row[f"{name}_ratio_to_cpu"] = statistics.median(fed) / row["centralised_cpu_s"]
+        table.append(row)
+    result = {
+        "command": "python " + " ".join(["bench/fed_central.py", *(argv or sys.argv[1:])]),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+        "rows": args.rows,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "batch_size": args.batch,
+        "arms": [{"name": n, "tree": t or "this", "overrides": o} for n, t, o in arms],
+        "seconds": round(time.time() - started, 1),
+        "table": table,
+        "runs": runs,
+    }
+    print(json.dumps(table, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
