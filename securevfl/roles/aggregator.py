@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -501,21 +501,7 @@ def run_aggregator(
             "this config runs the aggregator inside the active party's process; do not start it "
             "as its own role (or set aggregator_in_active = false to run it separately)",
         )
-    public = load_public(keys_dir)
-    secrets = load_secrets(keys_dir, AGGREGATOR)
-    allow = Allowlist({r: public.curve_public(r) for r in cfg.role_names})
-    hub = Hub(
-        name=AGGREGATOR,
-        bind=bind,
-        keypair=secrets.curve,
-        allowlist=allow,
-        kinds=P.KINDS,
-        heartbeat_interval=cfg.heartbeat_interval,
-        peer_timeout=cfg.peer_timeout,
-        logger=logger,
-        context=context,
-        curve=not bind.startswith("inproc://"),
-    )
+    hub = aggregator_hub(cfg, keys_dir, bind, logger, context, cfg.role_names)
     logger.info("aggregator (pid %d) listening on %s", os.getpid(), hub.endpoint)
     if on_bound is not None:
         on_bound(hub.endpoint)
@@ -523,6 +509,36 @@ def run_aggregator(
         return Aggregator(cfg=cfg, hub=hub, logger=logger).run()
     finally:
         hub.close()
+
+
+def aggregator_hub(
+    cfg: RunConfig,
+    keys_dir: Any,
+    bind: str,
+    logger: logging.Logger,
+    context: Any,
+    roles: Sequence[str],
+    *,
+    local: str | None = None,
+) -> Hub:
+    """The aggregator's hub at `bind`: CURVE with the aggregator's key over TCP (none on an
+    inproc:// address), accepting `roles` by their public keys; `local`, a role served on an
+    in-process socket only (the colocated active party)."""
+    public = load_public(keys_dir)
+    secrets = load_secrets(keys_dir, AGGREGATOR)
+    return Hub(
+        name=AGGREGATOR,
+        bind=bind,
+        keypair=secrets.curve,
+        allowlist=Allowlist({r: public.curve_public(r) for r in roles}),
+        kinds=P.KINDS,
+        heartbeat_interval=cfg.heartbeat_interval,
+        peer_timeout=cfg.peer_timeout,
+        logger=logger,
+        context=context,
+        curve=not bind.startswith("inproc://"),
+        local=local,
+    )
 
 
 @dataclass
@@ -579,23 +595,8 @@ def colocated_aggregator(
     logger = P.role_logger(AGGREGATOR, Path(run_dir))
     own_context = context is None
     ctx = zmq.Context() if own_context else context
-    public = load_public(keys_dir)
-    secrets = load_secrets(keys_dir, AGGREGATOR)
     # the passive parties only: the active party is served in-process and nowhere else
-    allow = Allowlist({r: public.curve_public(r) for r in cfg.party_names})
-    hub = Hub(
-        name=AGGREGATOR,
-        bind=bind,
-        keypair=secrets.curve,
-        allowlist=allow,
-        kinds=P.KINDS,
-        heartbeat_interval=cfg.heartbeat_interval,
-        peer_timeout=cfg.peer_timeout,
-        logger=logger,
-        context=ctx,
-        curve=not bind.startswith("inproc://"),
-        local=cfg.active_name,
-    )
+    hub = aggregator_hub(cfg, keys_dir, bind, logger, ctx, cfg.party_names, local=cfg.active_name)
     assert hub.local_endpoint is not None
     logger.info(
         "aggregator (in %s's process, pid %d) listening on %s; %s connects in-process",
