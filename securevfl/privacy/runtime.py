@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from securevfl.config import ConfigError, DPConfig, RunConfig
+from securevfl.data.rowarrays import _map_of
 from securevfl.privacy.accounting import calibrate_noise, default_delta, epsilon
 from securevfl.privacy.budget import BudgetExceeded, PrivacyBudget
 from securevfl.privacy.ledger import LedgerEvent, PrivacyLedger
@@ -542,14 +543,6 @@ def sorted_unique(ids: Any) -> np.ndarray:
         else:
             return ids
     return np.unique(np.asarray(ids, dtype=np.int64))
-
-
-def _map_of(array: Any) -> mmap.mmap | None:
-    while isinstance(array, np.ndarray):
-        if isinstance(array, np.memmap):
-            return getattr(array, "_mmap", None)
-        array = array.base
-    return None
 
 
 # ------------------------------------------------------------------------------- DP-SGD
