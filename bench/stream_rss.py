@@ -379,6 +379,24 @@ def _status_kb(pid: int, keys: tuple[str, ...]) -> dict[str, int]:
     return found
 
 
+def _mapped_files(pid: int, most: int = 6) -> dict[str, float]:
+    """The files mapped into `pid` holding the most resident pages (MB, from /proc/PID/smaps;
+    a path's last two parts)."""
+    rss: dict[str, int] = {}
+    name = None
+    try:
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                name = "/".join(Path(head[5]).parts[-2:]) if len(head) >= 6 else None
+            elif name and line.startswith("Rss:"):
+                rss[name] = rss.get(name, 0) + int(head[1])
+    except (OSError, ValueError, IndexError):
+        return {}
+    top = sorted(rss.items(), key=lambda kv: -kv[1])[:most]
+    return {k: round(v / 1024, 1) for k, v in top}
+
+
 def measure_federation(
     csv: Path, root: Path, *, batch: int, test_fraction: float, timeout: float
 ) -> dict:
@@ -396,6 +414,7 @@ def measure_federation(
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     peaks: dict[str, dict[str, int]] = {}
+    top_files: dict[str, dict[str, float]] = {}
     keys = ("VmHWM", "RssAnon", "RssFile")
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
@@ -408,6 +427,8 @@ def measure_federation(
                 continue
             now = _status_kb(pid, keys)
             seen = peaks.setdefault(role, dict.fromkeys(keys, 0))
+            if now.get("RssFile", 0) > seen["RssFile"]:  # where the file-backed pages are
+                top_files[role] = _mapped_files(pid)
             for k, v in now.items():
                 seen[k] = max(seen[k], v)
         time.sleep(0.5)
@@ -432,6 +453,7 @@ def measure_federation(
         "sampled_peak_file_mb": {
             r: round(v["RssFile"] / 1024, 1) for r, v in sorted(peaks.items())
         },
+        "mapped_files_at_file_peak_mb": top_files,
         "n_train": metrics.get("n_train"),
         "n_test": metrics.get("n_test"),
         "rounds": metrics.get("rounds"),

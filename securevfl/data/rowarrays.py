@@ -117,6 +117,17 @@ def filter_ids(
     )
 
 
+def copied(array: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """`array[start:stop]` in memory; when `array` is (a view of) a memory map, the map's pages
+    are handed back to the kernel after the copy, so reading a file part by part does not
+    leave the whole file resident."""
+    out = np.array(array[start:stop])
+    mapped = _map_of(array)
+    if mapped is not None:
+        mapped.madvise(mmap.MADV_DONTNEED)
+    return out
+
+
 def take(array: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`array[positions]`: read with `pread` from a whole file-backed map (so a batch costs its
     own bytes, not the pages around each fault), indexed in memory otherwise."""

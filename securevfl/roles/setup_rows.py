@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from securevfl.data.rowarrays import RowArrays, Spool, id_slices
+from securevfl.data.rowarrays import RowArrays, Spool, copied, id_slices
 
 ROWS_PER_PART = 1 << 20  # ids per setup.rows call: 8 MiB of ids and 128 KiB of bits
 DIGEST_INFO = b"securevfl/setup-rows/v1"
@@ -54,7 +54,7 @@ def training_bits(block: np.ndarray, train_ids: np.ndarray) -> tuple[np.ndarray,
         return np.zeros(0, dtype=np.uint8), 0
     lo = int(np.searchsorted(train_ids, block[0], side="left"))
     hi = int(np.searchsorted(train_ids, block[-1], side="right"))
-    inside = np.isin(block, np.asarray(train_ids[lo:hi]), assume_unique=True)
+    inside = np.isin(block, copied(train_ids, lo, hi), assume_unique=True)
     return np.packbits(inside, bitorder="little"), int(np.count_nonzero(inside))
 
 
@@ -136,7 +136,7 @@ class ReceivedRows:
             raise RowsRefused("setup.present before the set-up that announced the parts")
         if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < self.parts:
             raise RowsRefused(f"setup.present part {part!r}: the parts are 0..{self.parts - 1}")
-        return np.array(self.all_ids[self.bounds[part] : self.bounds[part + 1]])
+        return copied(self.all_ids, self.bounds[part], self.bounds[part + 1])
 
 
 def held_count(table: Any, ids: np.ndarray) -> int:
@@ -176,7 +176,7 @@ def setup_in_parts(
         def shared_blocks(flags: np.ndarray = flags) -> Iterator[np.ndarray]:
             start = 0
             for block in store.id_blocks(ROWS_PER_PART):
-                mine = block[np.asarray(flags[start : start + len(block)], dtype=bool)]
+                mine = block[copied(flags, start, start + len(block)).astype(bool)]
                 start += len(block)
                 if len(mine):
                     yield mine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -410,3 +411,38 @@ def test_a_streamed_tables_alignment_file_is_read_in_parts_with_the_same_refusal
         load_presence(tmp_path / "none.csv", table, cfg.party_names)
     with pytest.raises(DataError, match=r"no alignment for parties \['x'\]"):
         load_presence(tmp_path / "presence.csv", table, ["x"])
+
+
+def _rss_file_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_reading_a_mapped_id_file_part_by_part_leaves_its_pages_out_of_memory(tmp_path):
+    """`rowarrays.copied` (how set-up reads its id files part by part): the file's pages go
+    back after each part, so a whole pass does not leave the file resident (the 5 GB
+    federation's parties held the received id file whole before)."""
+    from securevfl.data.rowarrays import RowArrays, copied
+
+    arrays = RowArrays(tmp_path)
+    spool = arrays.spool("ids", np.int64)
+    n, part = 4 << 20, 1 << 17  # 32 MiB of ids, 1 MiB parts
+    for start in range(0, n, part):
+        spool.write(np.arange(start, start + part, dtype=np.int64))
+    ids = spool.array()
+
+    def growth(read) -> int:
+        before = _rss_file_kb()
+        total = 0
+        for start in range(0, n, part):
+            total += int(read(start, start + part)[-1])
+        assert total == sum(range(part - 1, n, part))
+        return _rss_file_kb() - before
+
+    assert growth(lambda a, b: copied(ids, a, b)) < 4 << 10  # KiB: a few parts at most
+    # the same pass through the map without handing pages back keeps the file resident
+    assert growth(lambda a, b: np.array(ids[a:b])) > 24 << 10
+    arrays.close()
