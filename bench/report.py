@@ -593,66 +593,124 @@ def _net(rtt: float | None) -> str:
 # --- GPU (runs only where torch sees a GPU)
 
 
-def gpu_suite(work: Path, data: Path) -> dict[str, Any]:
-    """Party models on cuda vs cpu (plain, Credit, 1 epoch each): the test metrics must agree
-    to float tolerance; per-role peak GPU memory from nvidia-smi sampled while the run lasts.
-    GPU time per role is not measured (the roles do not time their CUDA work); the report
-    says so. Never run on the development machine (no GPU), so untested there."""
+#: The GPU suite's arms: (name, device, aggregation, model hidden sizes, batch size, overlap).
+#: `overlap` forces SECUREVFL_OVERLAP_SUMS (None: the default, on for cuda).
+GPU_ARMS: tuple[tuple[str, str, str, tuple[int, ...], int, str | None], ...] = (
+    ("cpu-plain", "cpu", "plain", (64,), 256, None),
+    ("cuda-plain", "cuda", "plain", (64,), 256, None),
+    ("cpu-mask", "cpu", "mask", (64,), 256, None),
+    ("cuda-mask", "cuda", "mask", (64,), 256, None),
+    ("cuda-mask-no-overlap", "cuda", "mask", (64,), 256, "0"),
+    ("cpu-wide-plain", "cpu", "plain", (1024, 1024), 1024, None),
+    ("cuda-wide-plain", "cuda", "plain", (1024, 1024), 1024, None),
+    ("cuda-wide-mask", "cuda", "mask", (1024, 1024), 1024, None),
+    ("cuda-wide-mask-no-overlap", "cuda", "mask", (1024, 1024), 1024, "0"),
+)
+
+
+def gpu_suite(work: Path, data: Path, *, epochs: int = 3) -> dict[str, Any]:
+    """Party models and head on cuda vs cpu, plain and mask, the paper-sized split-NN (hidden
+    [64]) and a wide one ([1024, 1024], batch 1024), `epochs` epochs each (the first includes
+    CUDA's start-up: the report uses the later ones), real processes, Credit, 4 parties.
+    Per arm: epoch times, test metrics, and per role (from RUN_DIR/device/ROLE.json, written by
+    the roles with SECUREVFL_GPU_PROFILE=1) kernel time, per-op spans and the allocator's peak;
+    plus each process's peak GPU memory from nvidia-smi (CUDA context included), sampled every
+    0.2 s. The masks' keystreams overlap the GPU's work by default; `-no-overlap` arms force
+    SECUREVFL_OVERLAP_SUMS=0 for the side-by-side ratio. Runs only where torch sees a GPU."""
     import threading
 
     import torch
 
     ds = F.credit(data, parties=4)
     prep = F.prepare(ds, work / "gpu")
-    samples: dict[int, float] = {}
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            try:
-                q = subprocess.run(
-                    [
-                        "nvidia-smi",
-                        "--query-compute-apps=pid,used_memory",
-                        "--format=csv,noheader,nounits",
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=5,
-                )
-                for line in q.stdout.strip().splitlines():
-                    pid, mem = (x.strip() for x in line.split(","))
-                    samples[int(pid)] = max(samples.get(int(pid), 0.0), float(mem))
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                pass
-            stop.wait(0.2)
-
-    runs = {}
-    for device in ("cpu", "cuda"):
-        raw = F.config_raw(ds, aggregation="plain", epochs=1, device=device)
-        if device == "cuda":
-            t = threading.Thread(target=sample, daemon=True)
-            t.start()
-        runs[device] = F.run_federation(prep, raw, work / "gpu" / device)
-        if device == "cuda":
+    runs: dict[str, Any] = {}
+    for name, device, aggregation, hidden, batch, overlap in GPU_ARMS:
+        raw = F.config_raw(
+            ds, aggregation=aggregation, epochs=epochs, device=device, batch_size=batch
+        )
+        raw["model"]["hidden"] = list(hidden)
+        samples: dict[int, float] = {}
+        stop = threading.Event()
+        sampler = threading.Thread(target=_sample_gpu_memory, args=(samples, stop), daemon=True)
+        saved = {k: os.environ.get(k) for k in ("SECUREVFL_GPU_PROFILE", "SECUREVFL_OVERLAP_SUMS")}
+        os.environ["SECUREVFL_GPU_PROFILE"] = "1"
+        if overlap is not None:
+            os.environ["SECUREVFL_OVERLAP_SUMS"] = overlap
+        try:
+            if device == "cuda":
+                sampler.start()
+            run = F.run_federation(prep, raw, work / "gpu" / name)
+        finally:
             stop.set()
-            t.join(timeout=10)
-    cpu, cuda = runs["cpu"], runs["cuda"]
-    diffs = {
-        k: abs(cpu["test"][k] - cuda["test"][k])
-        for k in cpu.get("test", {})
-        if isinstance(cpu["test"][k], float) and k in cuda.get("test", {})
-    }
+            if sampler.is_alive():
+                sampler.join(timeout=10)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        run["arm"] = {
+            "device": device,
+            "aggregation": aggregation,
+            "hidden": list(hidden),
+            "batch_size": batch,
+            "overlap": overlap,
+        }
+        run["device_time"] = {
+            role: json.loads(path.read_text())
+            for role in run.get("pids", {})
+            for path in [work / "gpu" / name / role / "device" / f"{role}.json"]
+            if path.exists()
+        }
+        run["nvidia_smi_peak_mib"] = {
+            role: samples[pid] for role, pid in run.get("pids", {}).items() if pid in samples
+        }
+        runs[name] = run
+    diffs = {}
+    for cpu_arm, cuda_arm in (
+        ("cpu-plain", "cuda-plain"),
+        ("cpu-mask", "cuda-mask"),
+        ("cpu-wide-plain", "cuda-wide-plain"),
+    ):
+        a, b = runs[cpu_arm].get("test", {}), runs[cuda_arm].get("test", {})
+        diffs[f"{cuda_arm} vs {cpu_arm}"] = {
+            k: abs(a[k] - b[k]) for k in a if isinstance(a[k], float) and k in b
+        }
     return {
         "available": True,
         "device_name": torch.cuda.get_device_name(0),
-        "cpu": cpu,
-        "cuda": cuda,
+        "epochs": epochs,
+        "runs": runs,
         "metric_abs_diff": diffs,
-        "gpu_peak_memory_mib_by_role": {
-            role: samples[pid] for role, pid in cuda.get("pids", {}).items() if pid in samples
-        },
     }
+
+
+def _sample_gpu_memory(samples: dict[int, float], stop: Any) -> None:
+    """Each process's peak GPU memory (MiB) as nvidia-smi reports it, every 0.2 s."""
+    while not stop.is_set():
+        try:
+            q = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-compute-apps=pid,used_memory",
+                    "--format=csv,noheader,nounits",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            for line in q.stdout.strip().splitlines():
+                pid, mem = (x.strip() for x in line.split(","))
+                samples[int(pid)] = max(samples.get(int(pid), 0.0), float(mem))
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        stop.wait(0.2)
+
+
+def gpu_later_epochs(run: Mapping[str, Any]) -> float | None:
+    """The median epoch time without the first epoch (CUDA's start-up), or the only one."""
+    times = list(run.get("epoch_seconds") or [])
+    return _median(times[1:] if len(times) > 1 else times)
 
 
 # --- summaries
@@ -1759,47 +1817,96 @@ def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
             f"{g.get('note', 'no GPU on this machine')}: no GPU numbers in this report.",
             "",
         ]
-    cpu, cuda = g.get("cpu", {}), g.get("cuda", {})
+    runs = g.get("runs", {})
+    rows = []
+    for name, run in runs.items():
+        arm = run.get("arm", {})
+        dt_ = run.get("device_time", {})
+        kernel = sum(d.get("kernel_ms", 0.0) for d in dt_.values()) if dt_ else None
+        rows.append(
+            [
+                name,
+                "x".join(str(h) for h in arm.get("hidden", [])),
+                arm.get("batch_size"),
+                gpu_later_epochs(run),
+                (run.get("test") or {}).get("roc_auc"),
+                kernel / max(run.get("epochs") or 1, 1) if kernel is not None else None,
+                max((d.get("peak_allocated_mib", 0.0) for d in dt_.values()), default=None),
+                max(run.get("nvidia_smi_peak_mib", {}).values(), default=None),
+            ]
+        )
     lines += [
-        f"Device: {g.get('device_name')}. Party models and head on cuda vs cpu (plain, Credit, "
-        "one epoch each, real processes).",
+        f"Device: {g.get('device_name')}. Party models and head on cuda vs cpu, Credit, 4 "
+        f"parties, real processes, {g.get('epochs')} epochs per arm; epoch = median of the "
+        "epochs after the first (CUDA's start-up). GPU kernel time is the sum over the roles of "
+        "their kernels' device time (PyTorch profiler), per epoch; peak allocated is the largest "
+        "role's allocator peak; nvidia-smi includes each process's CUDA context.",
         "",
         md_table(
-            ["device", "epoch (s)", "test ROC-AUC", "peak RSS all roles (MiB)"],
             [
-                [
-                    "cpu",
-                    (cpu.get("epoch_seconds") or [None])[0],
-                    (cpu.get("test") or {}).get("roc_auc"),
-                    sum((cpu.get("peak_rss_mib") or {}).values()),
-                ],
-                [
-                    "cuda",
-                    (cuda.get("epoch_seconds") or [None])[0],
-                    (cuda.get("test") or {}).get("roc_auc"),
-                    sum((cuda.get("peak_rss_mib") or {}).values()),
-                ],
+                "arm",
+                "hidden",
+                "batch",
+                "epoch (s)",
+                "test ROC-AUC",
+                "GPU kernel ms / epoch (all roles)",
+                "peak allocated MiB (max role)",
+                "nvidia-smi MiB (max role)",
             ],
+            rows,
         ),
         "",
-        f"Largest metric difference cuda vs cpu: "
-        f"{max(g.get('metric_abs_diff', {}).values(), default=float('nan')):.2e}.",
-        "",
-        "Peak GPU memory per role (nvidia-smi samples every 0.2 s, MiB): "
-        + (
-            ", ".join(
-                f"{role}: {mem:.0f}"
-                for role, mem in g.get("gpu_peak_memory_mib_by_role", {}).items()
-            )
-            or "none seen"
-        )
-        + ". GPU time per role is not recorded: the roles do not time their CUDA work yet.",
-        "",
     ]
-    return lines
-
-
-# --- entry point
+    for pair, diffs in (g.get("metric_abs_diff") or {}).items():
+        lines.append(
+            f"- Largest test-metric difference {pair}: "
+            f"{max(diffs.values(), default=float('nan')):.2e}"
+        )
+    per_role = []
+    for name in ("cuda-plain", "cuda-mask", "cuda-wide-mask"):
+        dt_ = runs.get(name, {}).get("device_time", {})
+        for role, d in dt_.items():
+            per_role.append(
+                [
+                    name,
+                    role,
+                    d.get("kernel_ms"),
+                    d.get("kernels"),
+                    ", ".join(f"{op} {ms:.0f}" for op, ms in d.get("span_ms_by_op", {}).items()),
+                    d.get("peak_allocated_mib"),
+                    runs[name].get("nvidia_smi_peak_mib", {}).get(role),
+                ]
+            )
+    if per_role:
+        lines += [
+            "",
+            "Per role (whole run): GPU kernel ms, kernels launched, spans per op (ms from a "
+            "passive party's first launch to its last kernel of each call, summed), allocator "
+            "peak and nvidia-smi peak (MiB):",
+            "",
+            md_table(
+                ["arm", "role", "kernel ms", "kernels", "spans (ms)", "allocated", "nvidia-smi"],
+                per_role,
+            ),
+        ]
+    ratio = []
+    for with_, without in (
+        ("cuda-mask", "cuda-mask-no-overlap"),
+        ("cuda-wide-mask", "cuda-wide-mask-no-overlap"),
+    ):
+        a, b = runs.get(with_), runs.get(without)
+        if a and b and gpu_later_epochs(a) and gpu_later_epochs(b):
+            ratio.append(
+                f"- {with_} ÷ {without} (keystreams overlapping the GPU's work vs after it): "
+                f"{gpu_later_epochs(a) / gpu_later_epochs(b):.2f}×"
+                + (
+                    f"; mask ÷ plain on cuda: {gpu_later_epochs(a) / gpu_later_epochs(plain):.2f}×"
+                    if (plain := runs.get(with_.replace("mask", "plain")))
+                    and gpu_later_epochs(plain)
+                    else ""
+                )
+            )
+    return lines + [""] + ratio + [""]
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.py") -> int:

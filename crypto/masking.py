@@ -512,6 +512,16 @@ class MaskedSumParty:
         self._prepared[digest] = (net, future)
         return future
 
+    def forget_prepared(self) -> int:
+        """Cancel every pending preparation (e.g. one whose sizes did not match the call it
+        was made for: its domain is never masked under, so it would wait forever); the domains
+        stay unused and the worker threads stay up. Returns how many were dropped."""
+        dropped = len(self._prepared)
+        for _, future in self._prepared.values():
+            future.cancel()
+        self._prepared.clear()
+        return dropped
+
     def close(self) -> None:
         """Drop pending preparations and stop the worker threads; the object stays usable."""
         for _, future in self._prepared.values():

@@ -4,6 +4,8 @@ audit`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import tomllib
 import traceback
@@ -593,45 +595,13 @@ def run_role(args: argparse.Namespace) -> int:
             from securevfl.roles.aggregator import run_aggregator
 
             return run_aggregator(cfg, keys_dir=keys_dir, bind=bind, logger=logger)
-        if args.command == "active" and args.score:
-            from securevfl.roles.active import run_active_scoring
+        from securevfl.device_time import device_clock
 
-            return run_active_scoring(
-                cfg,
-                run_dir=run_dir,
-                keys_dir=keys_dir,
-                data_path=data,
-                predictions=args.predictions or run_dir / "predict" / "predictions.csv",
-                address=address,
-                logger=logger,
-                device=device,
+        clock = device_clock(device, role=role, run_dir=run_dir)  # None on a CPU
+        with clock if clock is not None else contextlib.nullcontext():
+            return _run_model_role(
+                args, cfg, role, run_dir, keys_dir, data, address, logger, device, clock
             )
-        if args.command == "active":
-            from securevfl.roles.active import run_active
-
-            return run_active(
-                cfg,
-                run_dir=run_dir,
-                keys_dir=keys_dir,
-                data_path=data,
-                address=address,
-                logger=logger,
-                device=device,
-                resume=args.resume,
-            )
-        from securevfl.roles.party import run_party
-
-        return run_party(
-            cfg,
-            name=role,
-            run_dir=run_dir,
-            keys_dir=keys_dir,
-            data_path=data,
-            address=address,
-            logger=logger,
-            device=device,
-            scoring=args.score,
-        )
     except P.RunAborted as exc:
         logger.error("%s", exc, extra=P.FILE_ONLY)
         print(f"securevfl {role}: {exc}", file=sys.stderr)
@@ -647,6 +617,61 @@ def run_role(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return exit_code_for(exc)
+
+
+def _run_model_role(
+    args: Any,
+    cfg: RunConfig,
+    role: str,
+    run_dir: Path,
+    keys_dir: Path,
+    data: Path,
+    address: str,
+    logger: logging.Logger,
+    device: Any,
+    clock: Any,
+) -> int:
+    """The active party or a passive party, once its config, device and threads are set."""
+    if args.command == "active" and args.score:
+        from securevfl.roles.active import run_active_scoring
+
+        return run_active_scoring(
+            cfg,
+            run_dir=run_dir,
+            keys_dir=keys_dir,
+            data_path=data,
+            predictions=args.predictions or run_dir / "predict" / "predictions.csv",
+            address=address,
+            logger=logger,
+            device=device,
+        )
+    if args.command == "active":
+        from securevfl.roles.active import run_active
+
+        return run_active(
+            cfg,
+            run_dir=run_dir,
+            keys_dir=keys_dir,
+            data_path=data,
+            address=address,
+            logger=logger,
+            device=device,
+            resume=args.resume,
+        )
+    from securevfl.roles.party import run_party
+
+    return run_party(
+        cfg,
+        name=role,
+        run_dir=run_dir,
+        keys_dir=keys_dir,
+        data_path=data,
+        address=address,
+        logger=logger,
+        device=device,
+        scoring=args.score,
+        device_time=clock,
+    )
 
 
 def _bind_from(address: str) -> str:

@@ -105,6 +105,13 @@ class PartySumStage(ABC):
     ) -> dict[str, np.ndarray]:
         """Arrays to send for this party's contribution `x` to sum `key` over `group`."""
 
+    def expect(self, sums: Sequence[tuple[int, Sequence[str], str, int]]) -> None:
+        """The sums (round, group, key, number of values) the call now being computed will
+        contribute to, announced before its values exist so that value-independent work can
+        start on another thread while the method computes (e.g. on a GPU). A guess: a call
+        that turns out different only loses the head start. Nothing by default."""
+        return None
+
 
 class AggregatorSumStage(ABC):
     """Validates each contribution as it arrives (`accept`, so one malformed contribution is
@@ -235,6 +242,19 @@ class MaskParty(PartySumStage):
             session=s.session,
             encoder=self.encoder,
         )
+
+    def expect(self, sums):
+        """The keystreams of the expected sums, generated on the masker's worker thread while
+        the method computes; `protect` then only encodes and adds (bit-identical output).
+        Preparations of an earlier call that went unused (their sizes differed) are dropped
+        first: their domains stay unused."""
+        self.masker.forget_prepared()
+        for round, group, key, size in sums:
+            if len(group) > 1 and size > 0:
+                try:
+                    self.masker.prepare(round=round, group=group, sizes={key: int(size)})
+                except ValueError:  # e.g. a domain already used: `protect` will say why
+                    return
 
     def protect(self, x, *, round, group, key):
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against

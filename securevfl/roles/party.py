@@ -34,8 +34,10 @@ class PassiveParty:
         run_dir: Path,
         logger: logging.Logger,
         device: Any,
+        device_time: Any = None,
     ) -> None:
         self.cfg = cfg
+        self.device_time = device_time  # a `DeviceClock` where the models run on a GPU
         self.name = name
         self.conn = conn
         self.run_dir = run_dir
@@ -60,6 +62,7 @@ class PassiveParty:
             mask_keypair=self.conn.secrets.mask,
             mask_publics=self.conn.public.mask,
         )
+        rounds.device_time = self.device_time
         rounds.guard.check_run()  # this party's own policy accepts the run its config describes
         while True:
             # the next call comes after the current round closes at the aggregator, which may take
@@ -138,6 +141,7 @@ def run_party(
     table: Any = None,
     context: Any = None,
     scoring: bool = False,
+    device_time: Any = None,
 ) -> int:
     from securevfl.data.table import load_party_table
 
@@ -168,6 +172,7 @@ def run_party(
             run_dir=run_dir,
             logger=logger,
             device=device,
+            device_time=device_time,
         ).run()
         return P.EXIT_OK
     except P.RunAborted:

@@ -21,6 +21,7 @@ combine only that round's contributions (its own masks).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from securevfl.config import RunConfig
-from securevfl.errors import RunAborted
+from securevfl.errors import ConfigError, RunAborted
 from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import epochs, load_checkpoint, save_checkpoint
@@ -294,6 +295,9 @@ class PartyRound:
         self.calls_since_commit = 0
         # what a caller may watch (the direct path's test kit): (spec, the released value)
         self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
+        self.overlap = overlaps_sums(cfg)
+        self._widths: dict[tuple[str, str], int] = {}  # values per row of each op's sums
+        self.device_time: Any = None  # a `DeviceClock` where the models run on a GPU
 
     def answer(self, env: Envelope) -> Envelope:
         """The contribution envelope answering call `env`. Raises `PolicyRefusal` (nothing
@@ -539,13 +543,32 @@ class PartyRound:
             epoch=self.privacy.epoch,
         )
 
+    def _expect(self, call: Call, specs: Sequence[SumSpec]) -> None:
+        """Announce to the sum stage the sums this call will contribute to, sized as the same
+        op's last call per row, so their value-independent work (mask keystreams) runs on
+        another thread while the method computes. Nothing is sent; a wrong guess is dropped."""
+        rows = len(call.ids)
+        expected = [
+            (call.round, spec.group, spec.key, self._widths[(call.op, spec.key)] * rows)
+            for spec in specs
+            if (call.op, spec.key) in self._widths
+        ]
+        if expected:
+            self.stage.expect(expected)
+
     def _operation(self, call: Call) -> tuple[dict[str, np.ndarray], dict[str, list[int]]]:
         if self.stage is None:
             raise RuntimeError(f"call {call.op!r} before setup")
         if self.received is not None and call.op == "backward":
             self.received.add(call.inputs, ids=call.ids, epoch=self.privacy.epoch)
-        out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
         specs = [spec for spec in call.sums if self.name in spec.group]
+        if self.overlap:
+            self._expect(call, specs)
+        if self.device_time is not None:
+            with self.device_time.span(call.op):
+                out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
+        else:
+            out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
         for spec in specs:
             if spec.tensor not in out:
                 raise RuntimeError(
@@ -568,6 +591,9 @@ class PartyRound:
                 self.stage.protect(value, round=call.round, group=spec.group, key=spec.key)
             )
             shapes[spec.key] = list(np.shape(value))
+            rows = len(call.ids)
+            if rows and np.size(value) % rows == 0:
+                self._widths[(call.op, spec.key)] = int(np.size(value)) // rows
         op = method_spec(self.cfg.method).operation(call.op)
         for name in call.collect:  # declared clear and allowed by the policy (the guard checked)
             self.privacy.record_unprotected_once(
@@ -708,6 +734,22 @@ def _shape_of(reply: Envelope, key: str) -> list[int]:
     if not isinstance(shape, list | tuple) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise RunAborted(f"{reply.sender} sent a malformed shape for sum {key!r}: {shape!r}")
     return list(shape)
+
+
+def overlaps_sums(cfg: RunConfig) -> bool:
+    """Whether a passive party starts each call's value-independent secure-sum work (the mask
+    keystreams) on a worker thread before its method computes the values: by default where
+    its models run on a GPU (the CPU makes keystreams while the GPU computes), not on a CPU
+    (there both compete for the same cores). SECUREVFL_OVERLAP_SUMS=1 or 0 forces it on or off
+    (a benchmark's side-by-side arms). What is sent is bit-identical either way."""
+    forced = os.environ.get("SECUREVFL_OVERLAP_SUMS", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ConfigError(
+            "SECUREVFL_OVERLAP_SUMS", f"is {forced!r}; set 1 (on), 0 (off) or leave it unset"
+        )
+    return cfg.device == "cuda"
 
 
 def tolerates_dropout(cfg: RunConfig) -> bool:

@@ -268,3 +268,53 @@ def test_real_federation_behind_the_wan_proxy(tmp_path: Path) -> None:
     assert r["ok"], r.get("error")
     assert len(r["epoch_seconds"]) == 2 and r["proxy"]["connections"] >= 3
     assert r["proxy"]["bytes_up"] > 0 and r["proxy"]["bytes_down"] > 0
+
+
+def test_the_gpu_section_shows_time_memory_and_the_overlap_ratio() -> None:
+    def run(epochs: list[float], auc: float, kernel: float | None, spans: dict) -> dict:
+        roles = (
+            {}
+            if kernel is None
+            else {
+                "active": {
+                    "kernel_ms": kernel,
+                    "kernels": 10,
+                    "span_ms_by_op": {},
+                    "peak_allocated_mib": 3.0,
+                },
+                "p1": {
+                    "kernel_ms": kernel,
+                    "kernels": 20,
+                    "span_ms_by_op": spans,
+                    "peak_allocated_mib": 5.0,
+                },
+            }
+        )
+        return {
+            "epoch_seconds": epochs,
+            "epochs": len(epochs),
+            "test": {"roc_auc": auc},
+            "device_time": roles,
+            "nvidia_smi_peak_mib": {"p1": 600.0} if roles else {},
+            "arm": {"hidden": [64], "batch_size": 256},
+        }
+
+    g = {
+        "available": True,
+        "device_name": "Test GPU",
+        "epochs": 3,
+        "runs": {
+            "cpu-plain": run([5.0, 1.0, 1.0], 0.75, None, {}),
+            "cuda-plain": run([9.0, 2.0, 2.0], 0.75, 30.0, {"forward": 12.0}),
+            "cuda-mask": run([9.0, 2.2, 2.2], 0.75, 30.0, {"forward": 12.0}),
+            "cuda-mask-no-overlap": run([9.0, 2.75, 2.75], 0.75, 30.0, {"forward": 12.0}),
+        },
+        "metric_abs_diff": {"cuda-plain vs cpu-plain": {"roc_auc": 1e-7}},
+    }
+    md = "\n".join(R._render_gpu(g))
+    assert "Test GPU" in md
+    assert "| cuda-plain | 64 | 256 | 2.00 | 0.75 | 20.00 | 5.00 | 600.00 |" in md  # 60 ms / 3
+    assert "| cuda-mask | p1 | 30.00 | 20 | forward 12 | 5.00 | 600.00 |" in md
+    assert "cuda-mask ÷ cuda-mask-no-overlap" in md and "0.80×" in md  # 2.2 / 2.75
+    assert "mask ÷ plain on cuda: 1.10×" in md
+    assert "Largest test-metric difference cuda-plain vs cpu-plain: 1.00e-07" in md

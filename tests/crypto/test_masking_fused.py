@@ -478,3 +478,21 @@ def test_a_keystream_opened_at_an_offset_is_that_slice_of_the_stream(start: int)
     assert np.array_equal(np.concatenate([first, second]), full[start:])
     with pytest.raises(ValueError, match="start_word"):
         Keystream(key, start_word=-1)
+
+
+def test_forgotten_preparations_leave_their_domains_usable() -> None:
+    # A party guessed the sizes of a call wrong: forgetting the guesses frees the slots (no
+    # MAX_PREPARED refusal later) and the domains can still be masked under, bit for bit.
+    group = ROSTER[:3]
+    p = party("carol")
+    for r in range(MAX_PREPARED):
+        p.prepare(round=r, group=group, sizes={"h": 8})
+    with pytest.raises(ValueError, match="pending"):
+        p.prepare(round=MAX_PREPARED, group=group, sizes={"h": 8})
+    assert p.forget_prepared() == MAX_PREPARED
+    assert p.forget_prepared() == 0
+    p.prepare(round=MAX_PREPARED, group=group, sizes={"h": 8})
+    x = np.arange(8.0)
+    got = p.mask(x, round=0, group=group, tensor="h")
+    assert got.tobytes() == reference(p, x, round=0, group=group, tensor="h").tobytes()
+    p.close()
