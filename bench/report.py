@@ -594,17 +594,17 @@ def _net(rtt: float | None) -> str:
 
 
 #: The GPU suite's arms: (name, device, aggregation, model hidden sizes, batch size, overlap).
-#: `overlap` forces SECUREVFL_OVERLAP_SUMS (None: the default, on for cuda).
+#: `overlap` sets SECUREVFL_OVERLAP_SUMS (None: the default, off).
 GPU_ARMS: tuple[tuple[str, str, str, tuple[int, ...], int, str | None], ...] = (
     ("cpu-plain", "cpu", "plain", (64,), 256, None),
     ("cuda-plain", "cuda", "plain", (64,), 256, None),
     ("cpu-mask", "cpu", "mask", (64,), 256, None),
     ("cuda-mask", "cuda", "mask", (64,), 256, None),
-    ("cuda-mask-no-overlap", "cuda", "mask", (64,), 256, "0"),
+    ("cuda-mask-overlap", "cuda", "mask", (64,), 256, "1"),
     ("cpu-wide-plain", "cpu", "plain", (1024, 1024), 1024, None),
     ("cuda-wide-plain", "cuda", "plain", (1024, 1024), 1024, None),
     ("cuda-wide-mask", "cuda", "mask", (1024, 1024), 1024, None),
-    ("cuda-wide-mask-no-overlap", "cuda", "mask", (1024, 1024), 1024, "0"),
+    ("cuda-wide-mask-overlap", "cuda", "mask", (1024, 1024), 1024, "1"),
 )
 
 
@@ -615,8 +615,9 @@ def gpu_suite(work: Path, data: Path, *, epochs: int = 3) -> dict[str, Any]:
     Per arm: epoch times, test metrics, and per role (from RUN_DIR/device/ROLE.json, written by
     the roles with SECUREVFL_GPU_PROFILE=1) kernel time, per-op spans and the allocator's peak;
     plus each process's peak GPU memory from nvidia-smi (CUDA context included), sampled every
-    0.2 s. The masks' keystreams overlap the GPU's work by default; `-no-overlap` arms force
-    SECUREVFL_OVERLAP_SUMS=0 for the side-by-side ratio. Runs only where torch sees a GPU."""
+    0.2 s. The `-overlap` arms set SECUREVFL_OVERLAP_SUMS=1 (the masks' keystreams made on a
+    worker thread while the GPU computes) for the side-by-side ratio. Runs only where torch
+    sees a GPU."""
     import threading
 
     import torch
@@ -1891,8 +1892,8 @@ def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
         ]
     ratio = []
     for with_, without in (
-        ("cuda-mask", "cuda-mask-no-overlap"),
-        ("cuda-wide-mask", "cuda-wide-mask-no-overlap"),
+        ("cuda-mask-overlap", "cuda-mask"),
+        ("cuda-wide-mask-overlap", "cuda-wide-mask"),
     ):
         a, b = runs.get(with_), runs.get(without)
         if a and b and gpu_later_epochs(a) and gpu_later_epochs(b):
@@ -1900,8 +1901,8 @@ def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
                 f"- {with_} ÷ {without} (keystreams overlapping the GPU's work vs after it): "
                 f"{gpu_later_epochs(a) / gpu_later_epochs(b):.2f}×"
                 + (
-                    f"; mask ÷ plain on cuda: {gpu_later_epochs(a) / gpu_later_epochs(plain):.2f}×"
-                    if (plain := runs.get(with_.replace("mask", "plain")))
+                    f"; mask ÷ plain on cuda: {gpu_later_epochs(b) / gpu_later_epochs(plain):.2f}×"
+                    if (plain := runs.get(without.replace("mask", "plain")))
                     and gpu_later_epochs(plain)
                     else ""
                 )

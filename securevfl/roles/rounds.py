@@ -738,18 +738,18 @@ def _shape_of(reply: Envelope, key: str) -> list[int]:
 
 def overlaps_sums(cfg: RunConfig) -> bool:
     """Whether a passive party starts each call's value-independent secure-sum work (the mask
-    keystreams) on a worker thread before its method computes the values: by default where
-    its models run on a GPU (the CPU makes keystreams while the GPU computes), not on a CPU
-    (there both compete for the same cores). SECUREVFL_OVERLAP_SUMS=1 or 0 forces it on or off
-    (a benchmark's side-by-side arms). What is sent is bit-identical either way."""
+    keystreams) on a worker thread before its method computes the values, so that a CPU thread
+    makes keystreams while a GPU computes: SECUREVFL_OVERLAP_SUMS=1 turns it on. Off by
+    default: on an H100 with Credit's split-NN (hidden [64] and [1024, 1024]) it gained nothing
+    (1.04x and 1.02x the epoch time without it, bench/results/gpu_h100_2026-11-24): a call's
+    GPU work is a fraction of a millisecond and launching it is CPU-bound, so the keystream
+    thread competes with the launching thread. What is sent is bit-identical either way."""
     forced = os.environ.get("SECUREVFL_OVERLAP_SUMS", "").strip()
-    if forced in ("0", "1"):
+    if forced in ("", "0", "1"):
         return forced == "1"
-    if forced:
-        raise ConfigError(
-            "SECUREVFL_OVERLAP_SUMS", f"is {forced!r}; set 1 (on), 0 (off) or leave it unset"
-        )
-    return cfg.device == "cuda"
+    raise ConfigError(
+        "SECUREVFL_OVERLAP_SUMS", f"is {forced!r}; set 1 (on), 0 (off) or leave it unset"
+    )
 
 
 def tolerates_dropout(cfg: RunConfig) -> bool:

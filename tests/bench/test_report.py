@@ -307,7 +307,7 @@ def test_the_gpu_section_shows_time_memory_and_the_overlap_ratio() -> None:
             "cpu-plain": run([5.0, 1.0, 1.0], 0.75, None, {}),
             "cuda-plain": run([9.0, 2.0, 2.0], 0.75, 30.0, {"forward": 12.0}),
             "cuda-mask": run([9.0, 2.2, 2.2], 0.75, 30.0, {"forward": 12.0}),
-            "cuda-mask-no-overlap": run([9.0, 2.75, 2.75], 0.75, 30.0, {"forward": 12.0}),
+            "cuda-mask-overlap": run([9.0, 2.75, 2.75], 0.75, 30.0, {"forward": 12.0}),
         },
         "metric_abs_diff": {"cuda-plain vs cpu-plain": {"roc_auc": 1e-7}},
     }
@@ -315,6 +315,6 @@ def test_the_gpu_section_shows_time_memory_and_the_overlap_ratio() -> None:
     assert "Test GPU" in md
     assert "| cuda-plain | 64 | 256 | 2.00 | 0.75 | 20.00 | 5.00 | 600.00 |" in md  # 60 ms / 3
     assert "| cuda-mask | p1 | 30.00 | 20 | forward 12 | 5.00 | 600.00 |" in md
-    assert "cuda-mask ÷ cuda-mask-no-overlap" in md and "0.80×" in md  # 2.2 / 2.75
+    assert "cuda-mask-overlap ÷ cuda-mask" in md and "1.25×" in md  # 2.75 / 2.2
     assert "mask ÷ plain on cuda: 1.10×" in md
     assert "Largest test-metric difference cuda-plain vs cpu-plain: 1.00e-07" in md

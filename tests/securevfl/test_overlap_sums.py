@@ -1,7 +1,7 @@
 """A passive party announces each call's sums before its method computes them
-(`PartyRound._expect`), so the mask keystreams are made on a worker thread while the model runs
-(on a GPU: the CPU makes keystreams while the GPU computes). What is sent must not change:
-the same model with and without, and the prepared keystreams really used."""
+(`PartyRound._expect`, with SECUREVFL_OVERLAP_SUMS=1), so the mask keystreams are made on a worker
+thread while the model runs (on a GPU: the CPU makes keystreams while the GPU computes). What is
+sent must not change: the same model with and without, and the prepared keystreams really used."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def test_overlapped_keystreams_train_the_same_model_and_are_used(tmp_path, monke
             assert torch.equal(on[1][p][k], v), (p, k)
 
 
-def test_the_overlap_is_on_for_cuda_only_unless_forced(tmp_path, monkeypatch):
+def test_the_overlap_is_off_unless_asked_for(tmp_path, monkeypatch):
     cfg = make_config(copy.deepcopy(BASE_RAW), tmp_path)
     monkeypatch.delenv("SECUREVFL_OVERLAP_SUMS", raising=False)
     assert overlaps_sums(cfg) is False
-    assert overlaps_sums(cfg.__class__(**{**cfg.__dict__, "device": "cuda"})) is True
+    assert overlaps_sums(cfg.__class__(**{**cfg.__dict__, "device": "cuda"})) is False
     monkeypatch.setenv("SECUREVFL_OVERLAP_SUMS", "1")
     assert overlaps_sums(cfg) is True
     monkeypatch.setenv("SECUREVFL_OVERLAP_SUMS", "yes")
