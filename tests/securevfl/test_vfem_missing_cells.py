@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import csv
 import io
+import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,9 @@ import torch
 
 from securevfl.config import parse_config
 from securevfl.inproc import run_federation
+from securevfl.methods.vfem import block as vfem_block
+from securevfl.methods.vfem import inference as vfem_inference
+from securevfl.methods.vfem.active import VfemActive
 from securevfl.methods.vfem.block import BlockState, VfemInputError
 from securevfl.methods.vfem.cells import (
     cell_patterns,
@@ -249,17 +254,24 @@ def run(directory: Path, y: np.ndarray, x: np.ndarray, *, name: str, **changes):
     return code, metrics, directory / name
 
 
-def test_missing_cells_in_the_active_block_reach_the_full_data_mle(tmp_path):
+@pytest.fixture(scope="module")
+def cells_mle():
+    """The acceptance design (600 rows) and its full-data maximum-likelihood fit."""
+    y, x = simulate_cells(600, seed=31)
+    mle = joint_gaussian_mle(y, x)
+    assert mle["grad"] < 1e-10, mle["message"]
+    return y, x, mle
+
+
+def test_missing_cells_in_the_active_block_reach_the_full_data_mle(tmp_path, cells_mle):
     """Acceptance (issue 15, item 4): on a design where the active party's block lacks single
     cells (NA tokens, MAR on y for one column) and some rows have only y, VFEM's estimates and
     standard errors equal the full-data maximum-likelihood fit to 1e-6 relative."""
-    y, x = simulate_cells(600, seed=31)
+    y, x, mle = cells_mle
     own = x[:, :3]
     partial = np.isnan(own).any(axis=1) & ~np.isnan(own).all(axis=1)
     only_y = np.isnan(x).all(axis=1)
     assert partial.sum() > 150 and only_y.sum() > 60  # the design has both kinds of row
-    mle = joint_gaussian_mle(y, x)
-    assert mle["grad"] < 1e-10, mle["message"]
     code, metrics, run_dir = run(tmp_path, y, x, name="cells")
     assert code == 0, (run_dir / "logs" / "active.log").read_text()[-3000:]
     assert metrics["fit"]["n"] == 600 and metrics["fit"]["converged"]
@@ -272,6 +284,56 @@ def test_missing_cells_in_the_active_block_reach_the_full_data_mle(tmp_path):
     print(f"max relative error: estimates {rel_est:.2e}, standard errors {rel_se:.2e}")
     assert rel_est < 1e-6
     assert rel_se < 1e-6
+
+
+# direction draws checked below; with a square d x d direction matrix (before SEM probed more
+# directions than coordinates) draws 11 and 13 put a standard error 1.4e-6 and 7.8e-6 off
+DRAWS = range(20)
+
+
+def test_standard_errors_reach_the_mle_for_every_direction_draw(tmp_path, monkeypatch, cells_mle):
+    """SEM's directions are random by design (each role draws its own, secretly), so the
+    standard errors' accuracy must not depend on the draw. One fit, then SEM repeated for 20
+    seeded draws of every role's directions (in place of the CSPRNG): every standard error of
+    every draw within 1e-7 relative of the observed-information one."""
+    y, x, mle = cells_mle
+    draw = {"seed": -1}
+    calls: list[tuple[int, str, int, int]] = []
+
+    def seeded_directions(rows: int, d: int) -> np.ndarray:
+        # one stream per (draw, role, rows): the roles are threads of this process (inproc)
+        role = threading.current_thread().name
+        calls.append((draw["seed"], role, rows, d))
+        rng = np.random.default_rng([draw["seed"], zlib.crc32(role.encode()), rows, d])
+        q, _ = np.linalg.qr(rng.standard_normal((d, rows)))
+        return q.T.copy()
+
+    monkeypatch.setattr(vfem_block, "secret_directions", seeded_directions)
+    monkeypatch.setattr(vfem_inference, "secret_directions", seeded_directions)
+    tables: list[list[dict]] = []
+    inference_once = VfemActive._inference
+
+    def inference_per_draw(self, ctx):
+        for seed in DRAWS:
+            draw["seed"] = seed
+            inference_once(self, ctx)
+            tables.append(copy.deepcopy(self.coefficients))
+
+    monkeypatch.setattr(VfemActive, "_inference", inference_per_draw)
+    code, metrics, run_dir = run(tmp_path, y, x, name="draws")
+    assert code == 0, (run_dir / "logs" / "active.log").read_text()[-3000:]
+    assert len(tables) == len(DRAWS)
+    # every draw: the active party's own block and its two global coordinates, parties b and c
+    for seed in DRAWS:
+        got = [(role, rows) for s, role, rows, _ in calls if s == seed]
+        assert sorted(rows for _, rows in got) == [2, 7, 7, 12], got
+        assert len({role for role, _ in got}) == 3, got
+    errors = []
+    for table in tables:
+        se = np.array([r["se"] for r in table])
+        errors.append(float(np.max(np.abs(se / mle["se"] - 1))))
+    print("max relative error of the standard errors per draw:", [f"{e:.1e}" for e in errors])
+    assert max(errors) < 1e-7, errors
 
 
 @pytest.mark.parametrize("method", ["cc-ols", "impute-ols"])

@@ -388,9 +388,11 @@ class BlockState:
 
 
 def secret_directions(rows: int, d: int) -> np.ndarray:
-    """`rows` orthonormal random rows of length d (a role's rows of the SEM direction matrix V),
-    from the operating system's CSPRNG so that no other role can regenerate them. Orthonormal
-    within a role keeps V, and so U'U, well conditioned."""
+    """`rows` orthonormal random rows of length d (a role's rows of the SEM direction matrix V,
+    d directions), from the operating system's CSPRNG so that no other role can regenerate them.
+    Orthonormal within a role; across roles the rows are independent, which is why SEM probes
+    more directions than coordinates (`inference.sem_directions`): a square V would be badly
+    conditioned in some draws."""
     rng = np.random.default_rng(secrets.randbits(128))
     q, _ = np.linalg.qr(rng.standard_normal((d, rows)))
     return q.T.copy()
