@@ -35,6 +35,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -1256,6 +1257,57 @@ def render(results: Mapping[str, Any], out: Path) -> Path:
     return path
 
 
+README_MARK = "<!-- bench/report.py --readme: {where} {edge} -->"
+
+
+def readme_block(results: Mapping[str, Any], out: Path, readme: Path) -> str:
+    """The README's copy of a report: its source (command, machine, date) and its suites'
+    sections, headings two levels down and plots linked from the README's folder."""
+    suites = results.get("suites", {})
+    m = results.get("machine", {})
+    where = os.path.relpath(out, readme.resolve().parent)
+    body = [
+        *_render_credit(_credit_summary(suites.get("credit")), out),
+        *_render_scaling(_scaling_summary(suites.get("scaling")), out),
+        *_render_privacy(suites.get("privacy_utility"), out),
+        *_render_crypto(suites.get("crypto"), out),
+        *_render_gpu(suites.get("gpu")),
+    ]
+    lines = [
+        f"_Generated from `{where}/report.json` by `python bench/report.py --render --out "
+        f"{where} --readme {os.path.relpath(readme.resolve(), REPO)}`; do not edit by hand._ "
+        f"Command: `{results.get('command')}`"
+        + (" (quick)" if results.get("quick") else "")
+        + f"; started {results.get('started')}; machine: {m.get('cpu_model', '?')}, "
+        f"{m.get('cpu_count')} cores, load {m.get('loadavg')} at start, "
+        f"{m.get('loadavg_end', '-')} at end. "
+        f"Full report: [`{where}/report.md`]({where}/report.md).",
+        "",
+    ]
+    for line in body:
+        if line.startswith("#"):
+            line = "##" + line
+        for png in re.findall(r"\]\(([^)/]+\.png)\)", line):
+            line = line.replace(f"]({png})", f"]({where}/{png})")
+        lines.append(line)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def update_readme(readme: Path, out: Path, block: str) -> None:
+    """Replace the README's generated block for report `out` (between its two markers)."""
+    where = os.path.relpath(out, readme.resolve().parent)
+    begin = README_MARK.format(where=where, edge="begin")
+    end = README_MARK.format(where=where, edge="end")
+    text = readme.read_text()
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        raise SystemExit(
+            f"{readme} has no block for {where}: put the two lines\n{begin}\n{end}\nwhere "
+            "the report belongs, then run again"
+        )
+    readme.write_text(text[: i + len(begin)] + "\n" + block + text[j:])
+
+
 def _credit_summary(c: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """The credit suite's summary, always recomputed from its raw runs (a report cut short
     has only those; a re-render picks up a newer summary)."""
@@ -1925,11 +1977,19 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.
     ap.add_argument(
         "--render", action="store_true", help="only re-render OUT/report.md from OUT/report.json"
     )
+    ap.add_argument(
+        "--readme",
+        type=Path,
+        help="also write the report into this README, between its markers for OUT",
+    )
     args = ap.parse_args(argv)
     out = args.out.resolve()
     if args.render:
         results = json.loads((out / "report.json").read_text())
         print(f"wrote {render(results, out)}")
+        if args.readme:
+            update_readme(args.readme, out, readme_block(results, out, args.readme))
+            print(f"wrote the report into {args.readme}")
         return 0
     suites = [s.strip() for s in (args.only or ",".join(SUITES)).split(",") if s.strip()]
     unknown = [s for s in suites if s not in SUITES]
@@ -1967,6 +2027,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.
             results = bench.run()
     path = render(results, out)
     print(f"wrote {path}, {out / 'report.json'} and the PNGs next to them")
+    if args.readme:
+        update_readme(args.readme, out, readme_block(results, out, args.readme))
+        print(f"wrote the report into {args.readme}")
     failed = [s for s, r in results["suites"].items() if isinstance(r, dict) and r.get("error")]
     if failed:
         print(f"suites that failed: {', '.join(failed)} (see report.md)", file=sys.stderr)

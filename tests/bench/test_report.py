@@ -318,3 +318,49 @@ def test_the_gpu_section_shows_time_memory_and_the_overlap_ratio() -> None:
     assert "cuda-mask-overlap ÷ cuda-mask" in md and "1.25×" in md  # 2.75 / 2.2
     assert "mask ÷ plain on cuda: 1.10×" in md
     assert "Largest test-metric difference cuda-plain vs cpu-plain: 1.00e-07" in md
+
+
+def test_the_readme_block_is_generated_from_the_report_and_replaced_in_place(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench" / "results" / "r1"
+    out.mkdir(parents=True)
+    results = {
+        "command": "python bench/report.py --only gpu",
+        "started": "2026-11-24T14:17",
+        "machine": {"cpu_model": "test CPU", "cpu_count": 16, "loadavg": [0.2, 0.1, 0.0]},
+        "suites": {"gpu": {"available": False, "note": "no GPU here"}},
+    }
+    (out / "report.json").write_text(json.dumps(results))
+    readme = tmp_path / "README.md"
+    mark = "<!-- bench/report.py --readme: bench/results/r1 {} -->"
+    readme.write_text(
+        f"# Title\n\nbefore\n{mark.format('begin')}\nold text\n{mark.format('end')}\nafter\n"
+    )
+    assert R.main(["--render", "--out", str(out), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old text" not in text and text.startswith("# Title\n\nbefore\n")
+    assert text.endswith(f"{mark.format('end')}\nafter\n")
+    assert "#### GPU" in text  # "## GPU" two levels down
+    assert "no GPU here: no GPU numbers" in text
+    assert "`python bench/report.py --render --out bench/results/r1 --readme" in text
+    assert "](bench/results/r1/report.md)" in text and "test CPU, 16 cores" in text
+    assert R.main(["--render", "--out", str(out), "--readme", str(readme)]) == 0
+    assert readme.read_text() == text  # idempotent
+    block = R.readme_block(results, out, readme)
+    assert block in text
+    readme.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="no block for bench/results/r1: put the two lines"):
+        R.main(["--render", "--out", str(out), "--readme", str(readme)])
+
+
+def test_readme_block_links_plots_from_the_readme_folder(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "results" / "r2"
+    out.mkdir(parents=True)
+    lines = R.readme_block({"suites": {}}, out, tmp_path / "README.md")
+    assert lines.startswith("_Generated from `results/r2/report.json`")
+    fake = "![x](plot.png) and ![y](other/keep.png)"
+    monkeypatch.setattr(R, "_render_gpu", lambda g: ["## GPU", fake])
+    got = R.readme_block({"suites": {}}, out, tmp_path / "README.md")
+    assert "#### GPU" in got
+    assert "![x](results/r2/plot.png) and ![y](other/keep.png)" in got
