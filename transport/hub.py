@@ -44,6 +44,7 @@ from transport.sockets import (
     describe_routing_id,
     first_seq,
     parse_routing_id,
+    readable,
     recv_bounded,
 )
 
@@ -409,7 +410,8 @@ class Hub(Endpoint):
         busy = True
         while busy and not done():
             busy = False
-            if local is not None:  # the in-process role first: its calls start the rounds
+            # the in-process role first: its calls start the rounds
+            if local is not None and readable(local):
                 try:
                     received = recv_bounded(local, limits=self.limits, prefix=1)
                 except zmq.Again:
@@ -418,6 +420,8 @@ class Hub(Endpoint):
                     self._handle(received, local=True)
                     busy = True
                     continue
+            if not readable(sock):
+                continue
             try:
                 received = recv_bounded(sock, limits=self.limits, prefix=1)
             except zmq.Again:
@@ -428,7 +432,7 @@ class Hub(Endpoint):
     def _process_monitor(self) -> None:
         if self._monitor is None:
             return
-        while True:
+        while readable(self._monitor):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
             except zmq.Again:

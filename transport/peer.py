@@ -43,6 +43,7 @@ from transport.sockets import (
     first_seq,
     is_inproc,
     new_routing_id,
+    readable,
     recv_bounded,
 )
 
@@ -204,7 +205,7 @@ class Peer(Endpoint):
         deadline = time.monotonic() + timeout
         while True:
             self._process_monitor()
-            while True:
+            while readable(sock):
                 try:
                     received = recv_bounded(sock, limits=self.limits)
                 except zmq.Again:
@@ -296,7 +297,7 @@ class Peer(Endpoint):
     def _process_monitor(self) -> None:
         if self._monitor is None:
             return
-        while True:
+        while readable(self._monitor):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
             except zmq.Again:

@@ -23,6 +23,13 @@ LINGER_MS = 500  # close() drops what is still unsent after this; never hangs lo
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
+def readable(socket: zmq.Socket) -> bool:
+    """Whether a message is waiting on `socket` (its ZMQ_EVENTS; no system call, no exception:
+    a drain loop asks this instead of catching ``zmq.Again`` from a non-blocking receive, whose
+    exception costs more than the check on every call of a busy round)."""
+    return bool(socket.get(zmq.EVENTS) & zmq.POLLIN)
+
+
 def is_inproc(endpoint: str) -> bool:
     return endpoint.startswith("inproc://")
 

@@ -23,7 +23,7 @@ from transport import (
     ReceiveTimeout,
     key_fingerprint,
 )
-from transport.sockets import new_routing_id, parse_routing_id, recv_bounded
+from transport.sockets import new_routing_id, parse_routing_id, readable, recv_bounded
 
 # --------------------------------------------------------------------------- per-message limits
 
@@ -314,3 +314,21 @@ def test_only_the_newest_connection_of_a_role_is_served(make_hub, make_peer, cap
     assert newer.recv(timeout=3).meta == {"to": "newest"}
     with pytest.raises(ReceiveTimeout):
         older.recv(timeout=0.3)
+
+
+def test_readable_says_whether_a_message_waits_without_consuming_it() -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://readable-test")
+        b.connect("inproc://readable-test")
+        assert not readable(b)
+        a.send_multipart([b"one", b"two"])
+        wait_until(lambda: readable(b), timeout=5)
+        assert readable(b) and readable(b)  # asking consumes nothing
+        assert b.recv_multipart() == [b"one", b"two"]
+        assert not readable(b)
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
