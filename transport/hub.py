@@ -321,6 +321,13 @@ class Hub(Endpoint):
         self._heartbeat_if_due()
         self._drain(lambda: False)
 
+    def queued(self) -> list[Envelope]:
+        """The messages that have arrived and wait for :meth:`recv`, oldest first (a copy:
+        :meth:`recv` still returns each of them). Reads what is waiting on the sockets first,
+        without blocking, sending heartbeats or raising PeerLost."""
+        self.keepalive()
+        return [env for env, _ in self._pending]
+
     def forget(self, name: str) -> None:
         """Stop checking that ``name`` is alive (e.g. it finished and left) until it sends again."""
         self._last_seen.pop(name, None)

@@ -33,6 +33,17 @@ from transport.errors import one_line, quote
 LATE_ROUNDS_TO_DROP = 3
 
 
+def failure_of(env: Envelope) -> P.RunAborted:
+    """The abort a role's ERROR report stands for (the reason is the peer's text: quoted on
+    one line, so it cannot forge log lines)."""
+    return P.RunAborted(
+        f"{env.sender} failed: {one_line(str(env.meta.get('reason', 'no reason given')))}",
+        lost=env.sender,
+        refused=env.meta.get("refused") is True,
+        budget=env.meta.get("budget") is True,
+    )
+
+
 @dataclass
 class OpenRound:
     """A round in flight at the aggregator: its call, and the contributions accepted so far
@@ -165,14 +176,21 @@ class Aggregator:
                 f"nothing arrived within {timeout:.0f} s while waiting for {waiting_for}"
             ) from None
         if env.kind == P.ERROR:
-            # the reason is the peer's text: quoted, so it cannot forge log lines
-            raise P.RunAborted(
-                f"{env.sender} failed: {one_line(str(env.meta.get('reason', 'no reason given')))}",
-                lost=env.sender,
-                refused=env.meta.get("refused") is True,
-                budget=env.meta.get("budget") is True,
-            )
+            raise failure_of(env)
         return env
+
+    def _unreachable(self, party: str, exc: Exception) -> P.RunAborted:
+        """Why a call cannot reach `party`: the error it reported before its link went, if
+        that report is already here (a crash says why, then closes: the report arrives before
+        the loss), else the lost link itself."""
+        try:
+            queued = self.hub.queued()
+        except TransportError:
+            queued = []
+        for env in queued:
+            if env.sender == party and env.kind == P.ERROR:
+                return failure_of(env)
+        return P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party)
 
     def _broadcast_abort(
         self, reason: str, *, lost: str | None, refused: bool = False, budget: bool = False
@@ -224,7 +242,7 @@ class Aggregator:
             try:
                 self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
             except TransportError as exc:  # gone before its heartbeat expired
-                lost = P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party)
+                lost = self._unreachable(party, exc)
                 if not self._drop(lost):
                     raise lost from None
                 failed.append(party)
@@ -350,7 +368,7 @@ class Aggregator:
             try:
                 self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
             except TransportError as exc:  # gone before its heartbeat expired
-                raise P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party) from None
+                raise self._unreachable(party, exc) from None
         open_rounds[env.round] = OpenRound(call=call, accepted={spec.key: {} for spec in call.sums})
 
     def _route(self, reply: Envelope, open_rounds: dict[int, OpenRound]) -> None:

@@ -349,8 +349,17 @@ class ScriptedHub:
             raise ReceiveTimeout("the script is over")
         return self.script.pop(0)
 
+    gone: frozenset[str] = frozenset()  # roles whose link is lost: a send to them fails
+
     def send(self, to, env) -> None:
+        from transport import TransportError
+
+        if to in self.gone:
+            raise TransportError(f"cannot send to {to!r}: its connection to aggregator is gone")
         self.sent.append((to, env))
+
+    def queued(self):
+        return list(self.script)
 
     def connected(self):
         return set()
@@ -437,6 +446,44 @@ def test_the_aggregator_stops_an_active_party_past_its_pipeline_depth(tmp_path):
     agg, hub = aggregator_with(tmp_path, [active_call(P.OP_SETUP, 1), *calls], depth=1)
     with pytest.raises(RunAborted, match="pipeline_depth = 1 allows 4"):
         agg._serve_pipelined()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_party_that_crashed_and_left_is_reported_by_its_own_error(tmp_path, pipelined):
+    """A party crashes, reports why and closes its link; the aggregator tries to send it the
+    next call before reading that report (the race a pipelined run makes likely): the run
+    stops with the party's own error, not with "cannot reach" (its report was already
+    queued). Without a queued report, the lost link is the cause."""
+    from securevfl.errors import RunAborted
+    from securevfl.roles import protocol as P
+    from transport import Envelope
+
+    sums = (SumSpec(key="S", tensor="rep", group=PARTIES),)
+    crash = Envelope(
+        kind=P.ERROR,
+        sender="gamma",
+        session="00" * 16,
+        meta={"reason": "RuntimeError: simulated crash", "role": "gamma"},
+    )
+    for report in (True, False):
+        script = [active_call("forward", 2, args={"train": True}, sums=sums)]
+        if report:
+            script.append(crash)
+        agg, hub = aggregator_with(tmp_path, script, depth=2 if pipelined else 0)
+        hub.gone = frozenset({"gamma"})
+        agg.dead = set()
+        env = hub.recv(timeout=1)
+        with pytest.raises(RunAborted) as info:
+            if pipelined:
+                agg._open(env, {}, agg._in_flight_limit())
+            else:
+                agg._round(env)
+        said = str(info.value)
+        if report:
+            assert said == "gamma failed: RuntimeError: simulated crash", said
+        else:
+            assert said.startswith("cannot reach 'gamma': cannot send"), said
+        assert info.value.lost == "gamma"
 
 
 def test_a_pipelined_party_with_dp_sgd_charges_every_step(tmp_path):

@@ -325,3 +325,24 @@ def test_inproc_channel_has_the_same_interface(keys, closer, caplog):
             peer.close()
         hub.close()
         context.term()
+
+
+def test_queued_shows_what_arrived_without_taking_it_even_after_the_sender_left(
+    make_hub, make_peer
+):
+    # A peer sends its last word and closes: the message is still there to be found (and
+    # still returned by recv) after the hub can no longer send to it.
+    hub = make_hub()
+    peer = make_peer("party1", hub)
+    hub.wait_for(["party1"], timeout=3)
+    assert hub.queued() == []
+    for i in range(2):
+        peer.send(Envelope(kind="contribution", sender="party1", meta={"i": i}))
+    peer.close()
+    assert wait_until(lambda: len(hub.queued()) == 2, timeout=3)
+    assert [(e.kind, e.sender, e.meta) for e in hub.queued()] == [
+        ("contribution", "party1", {"i": 0}),
+        ("contribution", "party1", {"i": 1}),
+    ]
+    assert [hub.recv(timeout=1).meta["i"] for _ in range(2)] == [0, 1]
+    assert hub.queued() == []
