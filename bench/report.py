@@ -985,6 +985,12 @@ def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
                     if colocated
                     else None
                 ),
+                "colocated_ratio_to_cpu": (
+                    colocated["median_epoch_seconds"] / cpu if colocated and cpu else None
+                ),
+                "colocated_same_test_metrics": (
+                    _same_metrics(c.get("test"), colocated.get("test")) if colocated else None
+                ),
                 "centralised_peak_rss_mib": c.get("peak_rss_mib"),
                 "centralised_epoch_cpu_s": cpu,
                 # the federation's wall time against the centralised run's CPU time: on a
@@ -1001,14 +1007,17 @@ def summarise_scaling(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fed_verdict(r: Mapping[str, Any], floor: float = FLOOR_FED_CENTRAL) -> str:
-    """holds / fails / undecided for the federated-vs-centralised floor, from the two bounds."""
+def fed_verdict(r: Mapping[str, Any], floor: float = FLOOR_FED_CENTRAL, *, arm: str = "") -> str:
+    """holds / fails / undecided for the federated-vs-centralised floor, from the two bounds;
+    `arm` "colocated_" judges the federation with the aggregator in the active party."""
     if not 2 <= r["parties"] <= 8:
         return "(reported)"
-    upper = r.get("ratio_to_cpu")
+    if r.get(f"{arm}ratio") is None:
+        return "-"
+    upper = r.get(f"{arm}ratio_to_cpu")
     if upper is not None and upper <= floor:
         return "holds"
-    if r["ratio"] > floor:
+    if r[f"{arm}ratio"] > floor:
         return "fails"
     if upper is None:  # a report from before the centralised CPU time was recorded
         return "not judged (no CPU time)"
@@ -1675,6 +1684,7 @@ def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
                     "plain, aggregator in active × centralised",
                     "plain wall ÷ centralised CPU",
                     f"floor ≤ {FLOOR_FED_CENTRAL:g}× (2..8 parties)",
+                    "floor, aggregator in active",
                     "same model",
                     "RSS centralised / federated (MiB)",
                     "centralised CPU s / epoch",
@@ -1691,7 +1701,11 @@ def _render_scaling(s: Mapping[str, Any] | None, out: Path) -> list[str]:
                         r.get("colocated_ratio"),
                         r.get("ratio_to_cpu"),
                         fed_verdict(r),
-                        r["same_test_metrics"],
+                        fed_verdict(r, arm="colocated_"),
+                        r["same_test_metrics"]
+                        if r.get("colocated_same_test_metrics") in (None, r["same_test_metrics"])
+                        else f"{r['same_test_metrics']} / colocated "
+                        f"{r['colocated_same_test_metrics']}",
                         f"{_fmt(r['centralised_peak_rss_mib'], 0)} / "
                         f"{_fmt(r['federated_peak_rss_mib_all_roles'], 0)}",
                         r.get("centralised_epoch_cpu_s"),

@@ -158,6 +158,10 @@ def test_federated_vs_centralised_floor_is_judged_on_both_bounds() -> None:
     assert R.fed_verdict(row(4, 1.8, 6.4)) == "undecided under this load"
     assert R.fed_verdict(row(16, 9.0, 20.0)) == "(reported)"  # the floor is for 2..8
     assert R.fed_verdict(row(4, 1.0, None)) == "not judged (no CPU time)"
+    # the same floor for the federation with the aggregator in the active party's process
+    both = {**row(4, 3.5, 9.0), "colocated_ratio": 1.0, "colocated_ratio_to_cpu": 2.9}
+    assert (R.fed_verdict(both), R.fed_verdict(both, arm="colocated_")) == ("fails", "holds")
+    assert R.fed_verdict(row(4, 1.0, 2.9), arm="colocated_") == "-"  # not measured
 
 
 def test_report_renders_tables_plots_and_the_floors(tmp_path: Path) -> None:
