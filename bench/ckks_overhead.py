@@ -15,7 +15,12 @@ which the role processes inherit. Records per run: epoch times, bytes sent per p
 CPU seconds per role (wait4; a party's includes its reaped helper), the CKKS parameters each
 run chose and their security level, and the ratios to plain (epoch median and bytes, and the
 per-repeat epoch ratios against the plain run of the same repeat, to show their spread), with
-the load average before each run; and whether SEAL's encryption releases the GIL.
+the load average before each run; and whether SEAL's encryption releases the GIL. In-process,
+per batch: the CPU of each crypto step alone (`per_batch_breakdown`, best of 20: a lower bound)
+and of each role's stage as a run calls it (`per_batch_stages`: the real secure-sum classes,
+the party's zero worker included, mean over 30 batches). ``--split-epochs`` runs each variant
+again for two more epochs and splits each role's CPU into per-epoch and one-off seconds (the
+whole-run ``extra_cpu_seconds_per_epoch`` counts one-off costs as per-epoch ones).
 
     nice -n 5 python bench/ckks_overhead.py --epochs 2 --repeats 3 --ablation \
         --variants ckks,ckks-process,ckks-fresh --out bench/results/ckks_overhead_3.json
@@ -200,6 +205,120 @@ def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -
     return result
 
 
+def per_batch_stages(
+    *, parties: int, values: int = 4096, rounds: int = 30, zeros: str = "thread"
+) -> dict[str, Any]:
+    """CPU milliseconds per batch of each role's secure-sum stage as a run calls it: the real
+    `securevfl.secure_sum` classes (`CkksParty.protect` with its zero worker in mode `zeros`,
+    `CkksAggregator.accept` of each contribution then `combine_accepted`, `CkksActive.reveal`
+    with the run's flooding), the parameters a run sizes from the default bound, the mean over
+    `rounds` batches after 3 warm-up ones (not the best: what a run pays). Stage calls are
+    timed with time.thread_time (the calling thread only). A party waits 5 ms after its call,
+    as it waits for the network, so its zero worker runs then; the process CPU outside the
+    main thread (time.process_time counts every thread) is that worker's. Also returns the
+    largest error of a revealed sum against the exact sum, which the flooding and rounding
+    bound; `per_batch_breakdown` times the crypto steps alone."""
+    import numpy as np
+
+    from crypto.ckks import CkksKeyHolder, DecryptionRelease
+    from securevfl.secure_sum import CkksActive, CkksAggregator, CkksParty, SumSession
+
+    params = choose_params(precision_bits=12, magnitude=2.0**20, terms=parties + 1).params
+    holder = CkksKeyHolder(params=params)
+    context = holder.public_context_bytes()
+    names = [f"p{i + 1}" for i in range(parties)]
+    stages = [
+        CkksParty(SumSession(name=n, session=b"s" * 16, ckks_public_context=context), zeros=zeros)
+        for n in names
+    ]
+    aggregator = CkksAggregator(
+        SumSession(name="aggregator", session=b"s" * 16, ckks_public_context=context)
+    )
+    release = DecryptionRelease(precision_bits=12, flood_bits=10)
+    active = CkksActive(
+        SumSession(name="active", session=b"s" * 16, ckks_release=release), key_holder=holder
+    )
+    rng = np.random.default_rng(0)
+    shape = (values // 16, 16)
+    spent = {"party: protect (main thread)": 0.0, "aggregator: accept + combine": 0.0}
+    spent["active: reveal"] = 0.0
+    error = 0.0
+
+    def batch(r: int, record: bool) -> None:
+        nonlocal error
+        xs = [rng.normal(size=shape).astype(np.float32) for _ in names]
+        sent = {}
+        for n, stage, x in zip(names, stages, xs, strict=True):
+            t = time.thread_time()
+            sent[n] = stage.protect(x, round=r, group=names, key="h")
+            if record:
+                spent["party: protect (main thread)"] += time.thread_time() - t
+            time.sleep(0.005)  # the party waits for the network: its zero worker runs
+        t = time.thread_time()
+        accepted = {n: aggregator.accept(a, key="h", sender=n) for n, a in sent.items()}
+        combined = aggregator.combine_accepted(accepted, group=names, key="h")
+        t2 = time.thread_time()
+        value = active.reveal(combined, group=names, key="h", shape=shape)
+        t3 = time.thread_time()
+        if record:
+            spent["aggregator: accept + combine"] += t2 - t
+            spent["active: reveal"] += t3 - t2
+            exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+            error = max(error, float(np.max(np.abs(value - exact))))
+
+    for r in range(3):
+        batch(r, False)
+    started, started_main = time.process_time(), time.thread_time()
+    for r in range(3, 3 + rounds):
+        batch(r, True)
+    total = time.process_time() - started
+    main_thread = time.thread_time() - started_main
+    for stage in stages:  # the zero workers stop here, not at exit
+        stage._join()
+        stage.close()
+        if stage._pool is not None:
+            stage._pool.shutdown(wait=True)
+    ms = {k: round(1e3 * v / rounds, 3) for k, v in spent.items()}
+    ms["party: protect (main thread)"] = round(ms["party: protect (main thread)"] / parties, 3)
+    all_roles = 1e3 * total / rounds
+    ms["party: zero worker (the process CPU outside the main thread, per party)"] = round(
+        1e3 * (total - main_thread) / rounds / parties, 3
+    )
+    return {
+        "params": list(params.coeff_mod_bit_sizes),
+        "zeros": zeros,
+        "parties": parties,
+        "values": values,
+        "rounds": rounds,
+        "ms": ms,
+        "ms_cpu_all_roles": round(all_roles, 3),
+        "max_abs_error": error,
+        "flood_std": release.flood_std(params, terms=parties),
+    }
+
+
+def split_cpu(
+    short: dict[str, float], long: dict[str, float], *, epochs_short: int, epochs_long: int
+) -> dict[str, dict[str, float]]:
+    """Per role, the CPU seconds a run spends per epoch and once (start-up, keys, contexts,
+    test), from the wait4 CPU of the same federation run for two epoch counts:
+    per epoch = (long - short) / (epochs_long - epochs_short), once = short - epochs_short *
+    per epoch. `extra_cpu_seconds_per_epoch` divides a whole run by its epochs, so a variant's
+    one-off costs (e.g. CKKS contexts) show up there as per-epoch costs."""
+    if epochs_long <= epochs_short:
+        raise ValueError(f"epochs_long ({epochs_long}) must exceed epochs_short ({epochs_short})")
+    if set(short) != set(long):
+        raise ValueError(f"the runs have different roles: {sorted(short)} vs {sorted(long)}")
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted(short):
+        per_epoch = (long[role] - short[role]) / (epochs_long - epochs_short)
+        out[role] = {
+            "per_epoch": round(per_epoch, 3),
+            "once": round(short[role] - epochs_short * per_epoch, 3),
+        }
+    return out
+
+
 def gil_check(*, zeros: int = 100) -> dict[str, Any]:
     """Whether SEAL releases the GIL in encryption: the wall time of `zeros` public-key
     encryptions of zero alone, then with a second thread spinning in Python. Released, the two
@@ -261,9 +380,22 @@ def main() -> None:
     ap.add_argument("--ablation", action="store_true", help="add ckks-raw-nodelay, ckks-fresh")
     ap.add_argument("--variants", default="", help="comma-separated subset (plain always runs)")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the in-process breakdown")
+    ap.add_argument(
+        "--split-epochs",
+        action="store_true",
+        help="also run each variant for --epochs + 2 and split each role's CPU into per-epoch "
+        "and one-off seconds",
+    )
     args = ap.parse_args()
     ds = F.credit(args.data, parties=4)
     breakdown = {} if args.no_breakdown else per_batch_breakdown(parties=len(ds.parties))
+    stages = (
+        {}
+        if args.no_breakdown
+        else {z: per_batch_stages(parties=len(ds.parties), zeros=z) for z in ("thread", "fresh")}
+    )
+    for z, st in stages.items():
+        print(f"stages per batch, zeros={z}: {st['ms']} (all roles {st['ms_cpu_all_roles']} ms)")
     gil = {} if args.no_breakdown else gil_check()
     if gil:
         print(f"GIL in SEAL's encryption: {gil}", flush=True)
@@ -306,6 +438,26 @@ def main() -> None:
                     flush=True,
                 )
                 runs.setdefault(label, []).append(r)
+                if args.split_epochs:
+                    raw = F.config_raw(ds, aggregation=aggregation, epochs=args.epochs + 2)
+                    if secure:
+                        raw["secure"] = dict(secure)
+                    print(f"{label} (repeat {rep + 1}, {args.epochs + 2} epochs) ...", flush=True)
+                    longer = run_with_env(
+                        env, F.run_federation, prep, raw, Path(tmp) / f"r{rep}-{label}-long"
+                    )
+                    if not longer.get("ok"):
+                        raise SystemExit(f"{label} failed: {longer.get('error')}")
+                    r["cpu_split"] = split_cpu(
+                        r["cpu_seconds"],
+                        longer["cpu_seconds"],
+                        epochs_short=args.epochs,
+                        epochs_long=args.epochs + 2,
+                    )
+                    r["longer_run"] = {
+                        k: longer[k] for k in ("epoch_seconds", "cpu_seconds", "load_before")
+                    }
+                    print(f"  CPU split per role: {r['cpu_split']}", flush=True)
     summary: dict[str, Any] = {}
     for label, rs in runs.items():
         epochs = [e for r in rs for e in r["epoch_seconds"]]
@@ -318,6 +470,15 @@ def main() -> None:
             "cpu_seconds_all_roles": statistics.median(r["cpu_seconds_all_roles"] for r in rs),
             "test": rs[0]["test"],
         }
+        if all("cpu_split" in r for r in rs):
+            roles = sorted(rs[0]["cpu_split"])
+            summary[label]["cpu_split_median"] = {
+                role: {
+                    part: statistics.median(r["cpu_split"][role][part] for r in rs)
+                    for part in ("per_epoch", "once")
+                }
+                for role in roles
+            }
     base = summary["plain"]
     for label, s in summary.items():
         s["epoch_ratio"] = s["median_epoch_seconds"] / base["median_epoch_seconds"]
@@ -330,6 +491,18 @@ def main() -> None:
         s["extra_cpu_seconds_per_epoch"] = (
             s["cpu_seconds_all_roles"] - base["cpu_seconds_all_roles"]
         ) / args.epochs
+        if "cpu_split_median" in s and "cpu_split_median" in base:
+            # per-epoch CPU only (one-off costs apart), all roles, against plain
+            s["extra_cpu_seconds_per_epoch_split"] = round(
+                sum(v["per_epoch"] for v in s["cpu_split_median"].values())
+                - sum(v["per_epoch"] for v in base["cpu_split_median"].values()),
+                3,
+            )
+            s["extra_cpu_seconds_once_split"] = round(
+                sum(v["once"] for v in s["cpu_split_median"].values())
+                - sum(v["once"] for v in base["cpu_split_median"].values()),
+                3,
+            )
     result = {
         "benchmark": "split-NN Credit 4x5 columns, batch 256, width 16; plain vs ckks",
         "command": "python " + " ".join(["bench/ckks_overhead.py", *sys.argv[1:]]),
@@ -340,6 +513,7 @@ def main() -> None:
         "repeats": args.repeats,
         "floors": {"epoch_ratio": 1.5, "bytes_ratio": 10.0},
         "per_batch_ms": breakdown,
+        "per_batch_stages": stages,
         "gil_check": gil,
         "summary": summary,
         "runs": runs,
