@@ -117,7 +117,9 @@ class VanillaVFLActive(JointHeadActive):
             plan = SumPlan()
             plan.add(everyone, "rep")
             got = plan.call(ctx, "forward", ids=chunk, args={"train": False, "fill": True})
-            total = torch.tensor(np.asarray(got[(everyone, "rep")], dtype=np.float32))
+            total = torch.tensor(
+                np.asarray(got[(everyone, "rep")], dtype=np.float32), device=self.device
+            )
             parts.append(self.classes_of(self.heads["joint"](total)))
         return Prediction({"joint": np.concatenate(parts)})
 

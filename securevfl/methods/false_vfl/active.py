@@ -209,8 +209,11 @@ class FalseVFLActiveMethod(ActiveMethod):
             inputs=self._call_inputs(pres),
             sums=[SumSpec(k, k, group) for k in (self.first, "prec")],
         )
-        sums = {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}
-        sums[SUM_COUNT] = torch.as_tensor(pres.sum(1), dtype=torch.float32)
+        sums = {
+            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
+            for k, v in got.items()
+        }
+        sums[SUM_COUNT] = torch.as_tensor(pres.sum(1), dtype=torch.float32, device=self.device)
         return sums
 
     def _loglik(
@@ -231,7 +234,10 @@ class FalseVFLActiveMethod(ActiveMethod):
             inputs={"h": h.cpu().numpy(), **self._call_inputs(pres)},
             sums=[SumSpec(t, t, over) for t in tensors],
         )
-        return {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in got.items()}, over
+        return {
+            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
+            for k, v in got.items()
+        }, over
 
     def _log_weights(self, ctx: ActiveContext, batch: Batch, n_samples: int):
         """(log w [n, S], h [n, S, d_h]) of the current (frozen) model, without gradients."""
@@ -373,8 +379,15 @@ class FalseVFLActiveMethod(ActiveMethod):
                 parts.append((log_w, h))
                 calls += 1
         order = np.concatenate(keep) if keep else np.empty(0, dtype=np.int64)
-        log_w = torch.cat([w for w, _ in parts]) if parts else torch.zeros(0, epochs * kappa)
-        h = torch.cat([v for _, v in parts]) if parts else torch.zeros(0, epochs * kappa, 1)
+        empty = {"device": self.device}
+        log_w = (
+            torch.cat([w for w, _ in parts]) if parts else torch.zeros(0, epochs * kappa, **empty)
+        )
+        h = (
+            torch.cat([v for _, v in parts])
+            if parts
+            else torch.zeros(0, epochs * kappa, 1, **empty)
+        )
         self._bank = (epoch, epochs, ids[order], h, log_w)
         return calls
 
@@ -390,13 +403,13 @@ class FalseVFLActiveMethod(ActiveMethod):
             bank = self._bank
         first, _, rows, h_all, lw_all = bank
         cut = slice((epoch - first) * kappa, (epoch - first + 1) * kappa)
-        y_all = torch.as_tensor(self.table.label_rows(rows)).long()
+        y_all = torch.as_tensor(self.table.label_rows(rows), device=self.device).long()
         rng = np.random.default_rng([self.config.seed, epoch, 0x57A2])
         perm = rng.permutation(len(rows))
         self.model.train()
         loss_sum, steps = 0.0, 0
         for start in range(0, len(perm), opts.stage2_batch):
-            b = torch.as_tensor(perm[start : start + opts.stage2_batch])
+            b = torch.as_tensor(perm[start : start + opts.stage2_batch], device=self.device)
             self.phi_opt.zero_grad(set_to_none=True)
             loss = -self.model.conditional_bound(lw_all[b, cut], h_all[b, cut], y_all[b]).mean()
             loss.backward()

@@ -57,6 +57,15 @@ SUM_DLOGLIK_DH = "dloglik_dh"
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
+def _noise_of(
+    module: nn.Module, generator: torch.Generator, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Standard-normal noise drawn from `generator` (on the CPU, so a run draws the same numbers
+    on any device), on the device of `module`'s parameters."""
+    noise = torch.randn(*shape, generator=generator)
+    return noise.to(next(module.parameters()).device)
+
+
 @dataclass(frozen=True)
 class FalseVFLConfig:
     """Sizes and switches of the model. Defaults follow the notes' section 2.4 tabular sizes and
@@ -162,6 +171,9 @@ class FalseVFLParty(nn.Module):
 
     # ---- the math (differentiable, stateless) ----------------------------------------------
 
+    def _noise(self, *shape: int) -> torch.Tensor:
+        return _noise_of(self, self.generator, shape)
+
     def encode(self, x: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mu_k, logvar_k), each [n, d_h], logvar clamped to [logvar_min, logvar_max]. Rows the
         party lacks are encoded from zeros (finite, and masked out by every caller)."""
@@ -197,7 +209,7 @@ class FalseVFLParty(nn.Module):
         None otherwise), drawn from this party's own generator."""
         if self.mask_model is None:
             return None
-        return torch.randn(n, n_samples, self.d_in, generator=self.generator)
+        return self._noise(n, n_samples, self.d_in)
 
     def mask_logits(self, v: torch.Tensor) -> torch.Tensor:
         """logit P(m^k = 1 | x^k = v) for v [..., d_in] -> [...]. Refuses without a mask model."""
@@ -267,6 +279,9 @@ class FalseVFLActive(nn.Module):
         self.generator = torch_generator(seed, "active", "noise")
         self._state: dict[str, torch.Tensor] | None = None
 
+    def _noise(self, *shape: int) -> torch.Tensor:
+        return _noise_of(self, self.generator, shape)
+
     def generative_parameters(self) -> list[nn.Parameter]:
         """gamma_s and theta_s (stage 1); the discriminator phi is excluded."""
         return [*self.global_encoder.parameters(), *self.global_decoder.parameters()]
@@ -293,8 +308,8 @@ class FalseVFLActive(nn.Module):
     def sample_noise(self, n: int, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(eps_h [n, S, d_h], eps_z [n, S, d_z]) from the active party's own generator."""
         return (
-            torch.randn(n, n_samples, self.cfg.d_h, generator=self.generator),
-            torch.randn(n, n_samples, self.cfg.d_z, generator=self.generator),
+            self._noise(n, n_samples, self.cfg.d_h),
+            self._noise(n, n_samples, self.cfg.d_z),
         )
 
     @staticmethod
@@ -353,9 +368,9 @@ class FalseVFLActive(nn.Module):
         p(h) = int p(h | z) p(z) dz (ancestral samples from the active party's generator)."""
         lo, hi = self.cfg.logvar_min, self.cfg.logvar_max
         with torch.no_grad():
-            z = torch.randn(n_samples, self.cfg.d_z, generator=self.generator)
+            z = self._noise(n_samples, self.cfg.d_z)
             mu_h, logvar_h = _split_gaussian(self.global_decoder(z), lo, hi)
-            eps = torch.randn(n_samples, self.cfg.d_h, generator=self.generator)
+            eps = self._noise(n_samples, self.cfg.d_h)
             h = mu_h + torch.exp(0.5 * logvar_h) * eps
             return torch.softmax(self.discriminator(h), dim=-1).mean(0)
 

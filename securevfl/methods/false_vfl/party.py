@@ -177,7 +177,7 @@ class FalseVFLPartyMethod(PartyMethod):
         (never read: the model masks them)."""
         x = torch.zeros(len(ids), self.model.d_in, device=self.device)
         if mine.any():
-            x[torch.as_tensor(mine)] = self._held_inputs(ids[mine], op)
+            x[torch.as_tensor(mine, device=self.device)] = self._held_inputs(ids[mine], op)
         return x, torch.as_tensor(mine, device=self.device)
 
     def _encode(self, ids: np.ndarray, *, train: bool, mine: np.ndarray | None) -> dict:
@@ -237,11 +237,16 @@ class FalseVFLPartyMethod(PartyMethod):
                 f"backward carries {sorted(inputs)}; this party needs {sorted(wanted)}"
             )
         order = {int(r): i for i, r in enumerate(ids.tolist())}
-        grads = {k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in inputs.items()}
+        grads = {
+            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
+            for k, v in inputs.items()
+        }
         tensors, outs = [], []
         for entry in pending:
             try:
-                rows = torch.as_tensor([order[int(r)] for r in entry["ids"]], dtype=torch.long)
+                rows = torch.as_tensor(
+                    [order[int(r)] for r in entry["ids"]], dtype=torch.long, device=self.device
+                )
             except KeyError:
                 raise ValueError("backward rows do not cover the step's batches") from None
             for key, out in {"loglik": entry["loglik"], **entry.get("posterior", {})}.items():

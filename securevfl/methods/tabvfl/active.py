@@ -21,7 +21,6 @@ from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, PartyDropped
 from securevfl.methods.blocks.nets import make_optimizer
 from securevfl.methods.tabvfl.schedule import PHASES, Schedule, chunks
-from securevfl.methods.tabvfl.schedule import as_tensor as _t
 
 
 class FailureCache:
@@ -220,11 +219,11 @@ class TabVFLActive(Schedule):
                     self.cache.put(phase, p, b, tensors)
             self._count(phase, rows=len(ids))
             hs, priors = self._inputs(phase, got, b, len(ids))
-            h_in = [_t(h, grad=p in got) for p, h in zip(self.guests, hs, strict=True)]
+            h_in = [self._t(h, grad=p in got) for p, h in zip(self.guests, hs, strict=True)]
             self.host.train()
             opt = self.optimizers[phase]
             if phase == "pretrain":
-                loss = self._pretrain_batch(ctx, ids, got, h_in, [_t(p) for p in priors], opt)
+                loss = self._pretrain_batch(ctx, ids, got, h_in, [self._t(p) for p in priors], opt)
             else:
                 loss = self._finetune_batch(ctx, ids, got, h_in, opt, epoch)
             if loss is not None:
@@ -254,7 +253,7 @@ class TabVFLActive(Schedule):
                 continue
             self._count("pretrain", up=out["grad_r"].size + out["loss"].size)
             live.append(k)
-            grads.append(_t(out["grad_r"]))
+            grads.append(self._t(out["grad_r"]))
             loss += float(out["loss"][0])
         if not live:
             return None
@@ -272,7 +271,7 @@ class TabVFLActive(Schedule):
     ) -> float:
         from securevfl.methods.tabvfl.tabnet import finetune_objective
 
-        y = torch.as_tensor(self.table.label_rows(ids)).long()
+        y = torch.as_tensor(self.table.label_rows(ids), device=self.device).long()
         logits, m_loss = self.host.finetune_forward(h_in)
         loss = finetune_objective(logits, y, m_loss, self.cfg.lambda_sparse)
         opt.zero_grad(set_to_none=True)
@@ -296,7 +295,9 @@ class TabVFLActive(Schedule):
             got = self._collect(ctx, "pretrain_forward", ids, alive, {"train": False, "chunk": c})
             hs, priors = self._inputs("pretrain", got, None, len(ids))
             with torch.no_grad():
-                rs = self.host.pretrain_forward([_t(h) for h in hs], [_t(p) for p in priors])
+                rs = self.host.pretrain_forward(
+                    [self._t(h) for h in hs], [self._t(p) for p in priors]
+                )
             for k, p in enumerate(self.guests):
                 if p in got:
                     out = self._call_one(
@@ -323,7 +324,7 @@ class TabVFLActive(Schedule):
             self.host.eval()
             hs, _ = self._inputs("finetune", got, None, len(ids_c))
             with torch.no_grad():
-                z, _ = self.host.latent_and_m_loss([_t(h) for h in hs])
+                z, _ = self.host.latent_and_m_loss([self._t(h) for h in hs])
                 logits.append(self.host.head(z).cpu().numpy())
                 latents.append(z.cpu().numpy())
         if not logits:

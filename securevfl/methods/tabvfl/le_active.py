@@ -13,7 +13,6 @@ from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, SumSpec
 from securevfl.methods.blocks.nets import make_optimizer
 from securevfl.methods.tabvfl.schedule import Schedule, chunks
-from securevfl.methods.tabvfl.schedule import as_tensor as _t
 
 
 class LEActive(Schedule):
@@ -52,7 +51,7 @@ class LEActive(Schedule):
         for ids in self.batches:
             m, n = len(ctx.parties), len(ids)
             if phase == "pretrain":
-                s = _t(
+                s = self._t(
                     self._sum(ctx, "pretrain_forward", ids, ["steps"], args={"train": True})[
                         "steps"
                     ],
@@ -70,15 +69,17 @@ class LEActive(Schedule):
                 )
                 loss = float(np.mean(got["loss_rows"]))
                 opt.zero_grad(set_to_none=True)
-                r.backward(_t(got["grad_r"] / n))  # the guests sent per-sample (x B) gradients
+                r.backward(self._t(got["grad_r"] / n))  # the guests sent per-sample (x B) gradients
                 opt.step()
                 grad = s.grad.cpu().numpy()
                 ctx.call("pretrain_backward", ids=ids, inputs={"grad": grad}, to=list(ctx.parties))
                 up = m * (s.shape[1] + r_np.shape[1] + 1) * n
                 self._count(phase, up=up, down=m * (r_np.size + grad.size), rows=n)
             else:
-                z = _t(self._sum(ctx, "forward", ids, ["z"], args={"train": True})["z"], grad=True)
-                y = torch.as_tensor(self.table.label_rows(ids)).long()
+                z = self._t(
+                    self._sum(ctx, "forward", ids, ["z"], args={"train": True})["z"], grad=True
+                )
+                y = torch.as_tensor(self.table.label_rows(ids), device=self.device).long()
                 loss_t = torch.nn.functional.cross_entropy(self.host.head(z), y)
                 opt.zero_grad(set_to_none=True)
                 loss_t.backward()
@@ -97,7 +98,7 @@ class LEActive(Schedule):
             args = {"train": False, "chunk": c}
             s = self._sum(ctx, "pretrain_forward", ids, ["steps"], args=args)["steps"]
             with torch.no_grad():
-                r = self.host.decode(_t(s)).cpu().numpy()
+                r = self.host.decode(self._t(s)).cpu().numpy()
             got = self._sum(
                 ctx, "pretrain_reconstruct", ids, ["loss_rows"], args=args, inputs={"r": r}
             )
@@ -111,7 +112,7 @@ class LEActive(Schedule):
         for ids_c in chunks(np.asarray(ids, dtype=np.int64)):
             z = self._sum(ctx, "forward", ids_c, ["z"], args={"train": False})["z"]
             with torch.no_grad():
-                logits.append(self.host.head(_t(z)).cpu().numpy())
+                logits.append(self.host.head(self._t(z)).cpu().numpy())
             latents.append(np.asarray(z, dtype=np.float32))
         if not logits:
             return np.zeros((0, self.n_classes)), np.zeros((0, self.cfg.n_d))

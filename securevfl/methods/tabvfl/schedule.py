@@ -81,6 +81,10 @@ class Schedule(ActiveMethod):
         self.scalars = {p: {"up": 0, "down": 0, "rows": 0} for p in PHASES}
         self.order = self.valid_ids = NO_ROWS
 
+    def _t(self, a: np.ndarray, *, grad: bool = False) -> Any:
+        """A received array as a float32 tensor on the host's device."""
+        return as_tensor(a, grad=grad, device=self.device)
+
     # ---- what subclasses provide
 
     def _train_epoch(self, ctx: ActiveContext, epoch: int) -> dict[str, float]:
@@ -275,5 +279,5 @@ def weighted_f1(y: np.ndarray, logits: np.ndarray) -> float:
     )
 
 
-def as_tensor(a: np.ndarray, *, grad: bool = False) -> Any:
-    return torch.tensor(np.asarray(a, dtype=np.float32), requires_grad=grad)
+def as_tensor(a: np.ndarray, *, grad: bool = False, device: Any = None) -> Any:
+    return torch.tensor(np.asarray(a, dtype=np.float32), device=device, requires_grad=grad)
