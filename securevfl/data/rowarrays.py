@@ -32,6 +32,9 @@ import numpy as np
 from securevfl.data.rowstore import gather
 
 BLOCK = 1 << 20  # entries written or scanned at a time (8 MiB of int64)
+# ids that `filter_ids` asks its `keep` about at once: a look-up in a streamed table's id index
+# (`has`, `labeled`, presence) allocates some 300 bytes an id while it runs
+FILTER_ROWS = 1 << 16
 
 
 class RowArrays:
@@ -108,12 +111,13 @@ def id_slices(ids: np.ndarray, rows: int | None = None) -> Iterator[tuple[int, n
 def filter_ids(
     arrays: RowArrays, ids: np.ndarray, keep: Callable[[np.ndarray], np.ndarray], name: str
 ) -> np.ndarray:
-    """`ids[keep(ids)]`, computed a block at a time into a file of `arrays`."""
+    """`ids[keep(ids)]`, computed a block of at most `FILTER_ROWS` ids at a time into a file
+    of `arrays`."""
     return filled(
         arrays,
         name,
         np.int64,
-        (block[keep(block)] for _, block in id_slices(ids)),
+        (block[keep(block)] for _, block in id_slices(ids, min(BLOCK, FILTER_ROWS))),
     )
 
 

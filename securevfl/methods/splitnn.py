@@ -24,7 +24,8 @@ from securevfl.methods.base import (
     SumSpec,
     UnknownOperation,
 )
-from securevfl.methods.blocks.batches import chunks, count_incomplete
+from securevfl.methods.blocks.batches import count_incomplete, row_chunks
+from securevfl.methods.blocks.evaluation import OutputScores
 from securevfl.methods.blocks.nets import (
     Standardizer,
     derived_seed,
@@ -35,7 +36,6 @@ from securevfl.methods.blocks.nets import (
     table_class_count,
     task_loss,
 )
-from securevfl.metrics import task_metrics
 
 OPERATIONS = (
     Operation(
@@ -321,18 +321,27 @@ class SplitNNActive(ActiveMethod):
                 },
             )
 
-    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
+    def _outputs(self, ctx: ActiveContext, ids: np.ndarray) -> Iterator[tuple[np.ndarray, Any]]:
+        """(rows, the model's outputs) of `ids`, a chunk of `EVAL_BATCH` rows at a time (the
+        pages of a map of a file of ids handed back after each)."""
         self.fusion.eval()
-        outs = []
         with torch.no_grad():
-            for chunk in chunks(ids):
+            for chunk in row_chunks(ids):
                 _, out = self._forward(ctx, chunk, train=False)
-                outs.append(out.cpu().numpy())
+                yield chunk, out.cpu().numpy()
+
+    def predict(self, ctx: ActiveContext, *, ids: np.ndarray) -> np.ndarray:
+        outs = [out for _, out in self._outputs(ctx, ids)]
         return np.concatenate(outs) if outs else np.empty((0, 1))
 
     def evaluate(self, ctx: ActiveContext, *, ids: np.ndarray) -> dict[str, Any]:
-        output = self.predict(ctx, ids=ids)
-        return task_metrics(self.config.task, y_true=self.table.label_rows(ids), output=output)
+        """`task_metrics` of the test rows, accumulated a chunk at a time (`OutputScores`): each
+        chunk's labels read with its outputs, so no array of every test row's label, and for
+        ROC-AUC only each row's score is kept."""
+        scores = OutputScores(self.config.task)
+        for chunk, out in self._outputs(ctx, ids):
+            scores.add(self.table.label_rows(chunk), out)
+        return scores.metrics()
 
     def state_dict(self) -> dict[str, Any]:
         state = {

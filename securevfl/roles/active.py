@@ -297,19 +297,25 @@ SCORE_CHUNK = 4096  # rows whose id texts and labels are read at once when scori
 def scored_metrics(
     task: str, table: Any, ids: np.ndarray, outputs: np.ndarray
 ) -> dict[str, float] | None:
-    """`prediction_metrics` of the scored rows when every one has a label (None otherwise).
-    Classes (the block methods) are counted a chunk of labels at a time; raw outputs need every
-    label at once (ROC-AUC)."""
+    """`prediction_metrics` of the scored rows when every one has a label (None otherwise),
+    the labels read a chunk at a time: classes (the block methods) counted, raw outputs
+    accumulated (`OutputScores`: for ROC-AUC, one score a row, no array of every label)."""
+    from securevfl.methods.blocks.evaluation import OutputScores
+
     outputs = np.asarray(outputs)
-    if outputs.dtype.kind not in "iu":
-        labels = table.label_rows(ids)
-        return None if np.isnan(labels).any() else prediction_metrics(task, labels, outputs)
+    classes = outputs.dtype.kind in "iu"
+    scores = None if classes else OutputScores(task)
     right = 0
     for start in range(0, len(ids), SCORE_CHUNK):
         labels = table.label_rows(ids[start : start + SCORE_CHUNK])
         if np.isnan(labels).any():
             return None
-        right += int((outputs[start : start + len(labels)] == labels).sum())
+        if scores is not None:
+            scores.add(labels, outputs[start : start + len(labels)])
+        else:
+            right += int((outputs[start : start + len(labels)] == labels).sum())
+    if scores is not None:
+        return scores.metrics()
     return {"accuracy": right / len(ids) if len(ids) else float("nan")}
 
 

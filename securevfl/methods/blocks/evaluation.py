@@ -425,3 +425,103 @@ def _f1(confusion: np.ndarray, *, binary: bool) -> float:
         return float(f[1]) if len(f) > 1 else 0.0
     seen = denom > 0
     return float(np.mean(f[seen])) if seen.any() else 0.0
+
+
+class OutputScores:
+    """`securevfl.metrics.task_metrics` of raw outputs (a logit, logits [n, C], a prediction),
+    accumulated a chunk of rows at a time (`add`), so that a held-out evaluation or a scoring
+    run never reads every label at once: binary keeps the confusion counts and, for ROC-AUC,
+    each row's score (the one per-row hold that an exact ROC-AUC needs: the output's own dtype,
+    4 bytes a row for float32), split by class; multiclass keeps the confusion counts;
+    regression the squared errors' sum and the labels' count, mean and sum of squared
+    deviations (merged chunk by chunk). `metrics()` equals `task_metrics` over every row at
+    once to float rounding (ROC-AUC as the Mann-Whitney statistic, ties counted one half)."""
+
+    def __init__(self, task: str) -> None:
+        if task not in ("binary", "multiclass", "regression"):
+            raise ValueError(f"unknown task {task!r}")
+        self.task = task
+        self.rows = 0
+        self.confusion = np.zeros((0, 0), dtype=np.int64)
+        self._scores: dict[int, list[np.ndarray]] = {0: [], 1: []}
+        self._sse = 0.0
+        self._mean = 0.0
+        self._m2 = 0.0
+
+    def add(self, y: np.ndarray, output: np.ndarray) -> None:
+        """The labels `y` (float, NaN refused) and raw outputs of one chunk of rows."""
+        y = np.asarray(y, dtype=np.float64).reshape(-1)
+        output = np.asarray(output)
+        if len(output) != len(y):
+            raise ValueError(f"{len(output)} outputs for {len(y)} labels")
+        if np.isnan(y).any():
+            raise ValueError("Input y_true contains NaN: every scored row needs a label")
+        if not len(y):
+            return
+        if self.task == "regression":
+            self._add_regression(y, output.reshape(len(y), -1)[:, 0].astype(np.float64))
+        else:
+            if self.task == "binary":
+                score = output.reshape(-1)
+                pred = (score > 0).astype(np.int64)
+                if not np.isin(y, (0.0, 1.0)).all():
+                    raise ValueError("binary labels must be 0 or 1")
+                for c in (0, 1):
+                    kept = score[y == c]
+                    if len(kept):
+                        self._scores[c].append(np.array(kept))
+            else:
+                pred = output.argmax(axis=1).astype(np.int64)
+            self._count(y.astype(np.int64), pred)
+        self.rows += len(y)
+
+    def _count(self, y: np.ndarray, pred: np.ndarray) -> None:
+        size = max(self.confusion.shape[0], int(y.max()) + 1, int(pred.max()) + 1, 2)
+        counts = np.bincount(y * size + pred, minlength=size * size).reshape(size, size)
+        had = self.confusion
+        counts[: had.shape[0], : had.shape[0]] += had
+        self.confusion = counts
+
+    def _add_regression(self, y: np.ndarray, pred: np.ndarray) -> None:
+        self._sse += float(np.sum((y - pred) ** 2))
+        n, mean = len(y), float(np.mean(y))
+        m2 = float(np.sum((y - mean) ** 2))
+        total = self.rows + n  # Chan et al.'s merge of (count, mean, M2)
+        delta = mean - self._mean
+        self._m2 += m2 + delta * delta * self.rows * n / total
+        self._mean += delta * n / total
+
+    def metrics(self) -> dict[str, float]:
+        """`task_metrics` of every row added ({} when none was)."""
+        if not self.rows:
+            return {}
+        if self.task == "regression":
+            r2 = float("nan")
+            if self.rows > 1:  # scikit-learn's r2_score (force_finite)
+                if self._m2 > 0:
+                    r2 = 1.0 - self._sse / self._m2
+                else:
+                    r2 = 1.0 if self._sse == 0 else 0.0
+            return {"rmse": float(np.sqrt(self._sse / self.rows)), "r2": r2}
+        accuracy = float(np.trace(self.confusion) / self.rows)
+        if self.task == "multiclass":
+            return {"accuracy": accuracy, "macro_f1": _f1(self.confusion, binary=False)}
+        out = {"accuracy": accuracy, "f1": _f1(self.confusion, binary=True)}
+        if all(self._scores.values()):  # both classes among the labels
+            out["roc_auc"] = self._roc_auc()
+        return out
+
+    def _roc_auc(self) -> float:
+        """P(score of a positive > score of a negative) + P(equal) / 2: each class's scores
+        sorted, the negatives below (and equal to) each positive counted a chunk at a time."""
+        neg = np.concatenate(self._scores[0])
+        self._scores[0] = [neg]
+        neg.sort()
+        below = ties = 0
+        for part in self._scores[1]:
+            lo = np.searchsorted(neg, part, side="left")
+            hi = np.searchsorted(neg, part, side="right")
+            below += int(lo.sum())
+            ties += int((hi - lo).sum())
+        n_pos = sum(len(p) for p in self._scores[1])
+        return (below + 0.5 * ties) / (n_pos * len(neg))
