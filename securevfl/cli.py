@@ -632,46 +632,26 @@ def _run_model_role(
     clock: Any,
 ) -> int:
     """The active party or a passive party, once its config, device and threads are set."""
+    where = {
+        "run_dir": run_dir,
+        "keys_dir": keys_dir,
+        "data_path": data,
+        "address": address,
+        "logger": logger,
+        "device": device,
+    }
     if args.command == "active" and args.score:
         from securevfl.roles.active import run_active_scoring
 
-        return run_active_scoring(
-            cfg,
-            run_dir=run_dir,
-            keys_dir=keys_dir,
-            data_path=data,
-            predictions=args.predictions or run_dir / "predict" / "predictions.csv",
-            address=address,
-            logger=logger,
-            device=device,
-        )
+        predictions = args.predictions or run_dir / "predict" / "predictions.csv"
+        return run_active_scoring(cfg, predictions=predictions, **where)
     if args.command == "active":
         from securevfl.roles.active import run_active
 
-        return run_active(
-            cfg,
-            run_dir=run_dir,
-            keys_dir=keys_dir,
-            data_path=data,
-            address=address,
-            logger=logger,
-            device=device,
-            resume=args.resume,
-        )
+        return run_active(cfg, resume=args.resume, **where)
     from securevfl.roles.party import run_party
 
-    return run_party(
-        cfg,
-        name=role,
-        run_dir=run_dir,
-        keys_dir=keys_dir,
-        data_path=data,
-        address=address,
-        logger=logger,
-        device=device,
-        scoring=args.score,
-        device_time=clock,
-    )
+    return run_party(cfg, name=role, scoring=args.score, device_time=clock, **where)
 
 
 def _bind_from(address: str) -> str:
