@@ -669,11 +669,10 @@ def gpu_suite(work: Path, data: Path, *, epochs: int = 3) -> dict[str, Any]:
         }
         runs[name] = run
     diffs = {}
-    for cpu_arm, cuda_arm in (
-        ("cpu-plain", "cuda-plain"),
-        ("cpu-mask", "cuda-mask"),
-        ("cpu-wide-plain", "cuda-wide-plain"),
-    ):
+    for cuda_arm in runs:  # every cuda arm against the cpu arm of the same model and sum
+        cpu_arm = cuda_arm.replace("cuda-", "cpu-", 1)
+        if not cuda_arm.startswith("cuda-") or cpu_arm not in runs:
+            continue
         a, b = runs[cpu_arm].get("test", {}), runs[cuda_arm].get("test", {})
         diffs[f"{cuda_arm} vs {cpu_arm}"] = {
             k: abs(a[k] - b[k]) for k in a if isinstance(a[k], float) and k in b
@@ -1211,10 +1210,24 @@ def plot_scaling(s: Mapping[str, Any], out: Path) -> list[str]:
     return made
 
 
-def render(results: Mapping[str, Any], out: Path) -> Path:
-    """Write OUT/report.md (and the PNGs it shows) from the raw results; returns its path."""
+def suite_sections(results: Mapping[str, Any], out: Path) -> list[str]:
+    """The report's sections of every suite in `results` (markdown lines), drawing the plots
+    they show into `out`: report.md and the README's copy (`readme_block`) share them."""
     out.mkdir(parents=True, exist_ok=True)
     suites = results.get("suites", {})
+    return [
+        *_render_credit(_credit_summary(suites.get("credit")), out),
+        *_render_scaling(_scaling_summary(suites.get("scaling")), out),
+        *_render_privacy(suites.get("privacy_utility"), out),
+        *_render_crypto(suites.get("crypto"), out),
+        *_render_gpu(suites.get("gpu")),
+    ]
+
+
+def render(results: Mapping[str, Any], out: Path, *, sections: Sequence[str] | None = None) -> Path:
+    """Write OUT/report.md (and the PNGs it shows) from the raw results (`sections`: the suites'
+    sections, if already made); returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
     m, v = results.get("machine", {}), results.get("versions", {})
     lines = [
         "# securevfl benchmark report",
@@ -1249,11 +1262,7 @@ def render(results: Mapping[str, Any], out: Path) -> Path:
         "jobs on the machine) is recorded before every run in report.json.",
         "",
     ]
-    lines += _render_credit(_credit_summary(suites.get("credit")), out)
-    lines += _render_scaling(_scaling_summary(suites.get("scaling")), out)
-    lines += _render_privacy(suites.get("privacy_utility"), out)
-    lines += _render_crypto(suites.get("crypto"), out)
-    lines += _render_gpu(suites.get("gpu"))
+    lines += sections if sections is not None else suite_sections(results, out)
     lines += [
         "## Raw data",
         "",
@@ -1269,19 +1278,19 @@ def render(results: Mapping[str, Any], out: Path) -> Path:
 README_MARK = "<!-- bench/report.py --readme: {where} {edge} -->"
 
 
-def readme_block(results: Mapping[str, Any], out: Path, readme: Path) -> str:
+def readme_block(
+    results: Mapping[str, Any],
+    out: Path,
+    readme: Path,
+    *,
+    sections: Sequence[str] | None = None,
+) -> str:
     """The README's copy of a report: its source (command, machine, date) and its suites'
-    sections, headings two levels down and plots linked from the README's folder."""
-    suites = results.get("suites", {})
+    sections (`sections`, if already made), headings two levels down and plots linked from the
+    README's folder."""
     m = results.get("machine", {})
     where = os.path.relpath(out, readme.resolve().parent)
-    body = [
-        *_render_credit(_credit_summary(suites.get("credit")), out),
-        *_render_scaling(_scaling_summary(suites.get("scaling")), out),
-        *_render_privacy(suites.get("privacy_utility"), out),
-        *_render_crypto(suites.get("crypto"), out),
-        *_render_gpu(suites.get("gpu")),
-    ]
+    body = sections if sections is not None else suite_sections(results, out)
     lines = [
         f"_Generated from `{where}/report.json` by `python bench/report.py --render --out "
         f"{where} --readme {os.path.relpath(readme.resolve(), REPO)}`; do not edit by hand._ "
@@ -1957,10 +1966,7 @@ def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
             ),
         ]
     ratio = []
-    for with_, without in (
-        ("cuda-mask-overlap", "cuda-mask"),
-        ("cuda-wide-mask-overlap", "cuda-wide-mask"),
-    ):
+    for with_, without in ((n, n.removesuffix("-overlap")) for n in runs if n.endswith("-overlap")):
         a, b = runs.get(with_), runs.get(without)
         if a and b and gpu_later_epochs(a) and gpu_later_epochs(b):
             ratio.append(
@@ -1974,6 +1980,20 @@ def _render_gpu(g: Mapping[str, Any] | None) -> list[str]:
                 )
             )
     return lines + [""] + ratio + [""]
+
+
+# --- entry point
+
+
+def write_reports(results: Mapping[str, Any], out: Path, *, readme: Path | None) -> Path:
+    """OUT/report.md and, with `readme`, the README's block for OUT, from one rendering of the
+    suites' sections; returns report.md's path."""
+    sections = suite_sections(results, out)
+    path = render(results, out, sections=sections)
+    if readme is not None:
+        update_readme(readme, out, readme_block(results, out, readme, sections=sections))
+        print(f"wrote the report into {readme}")
+    return path
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.py") -> int:
@@ -2000,10 +2020,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.
     out = args.out.resolve()
     if args.render:
         results = json.loads((out / "report.json").read_text())
-        print(f"wrote {render(results, out)}")
-        if args.readme:
-            update_readme(args.readme, out, readme_block(results, out, args.readme))
-            print(f"wrote the report into {args.readme}")
+        print(f"wrote {write_reports(results, out, readme=args.readme)}")
         return 0
     suites = [s.strip() for s in (args.only or ",".join(SUITES)).split(",") if s.strip()]
     unknown = [s for s in suites if s not in SUITES]
@@ -2039,11 +2056,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python bench/report.
                 budget_minutes=args.budget_minutes,
             )
             results = bench.run()
-    path = render(results, out)
+    path = write_reports(results, out, readme=args.readme)
     print(f"wrote {path}, {out / 'report.json'} and the PNGs next to them")
-    if args.readme:
-        update_readme(args.readme, out, readme_block(results, out, args.readme))
-        print(f"wrote the report into {args.readme}")
     failed = [s for s, r in results["suites"].items() if isinstance(r, dict) and r.get("error")]
     if failed:
         print(f"suites that failed: {', '.join(failed)} (see report.md)", file=sys.stderr)
