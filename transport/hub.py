@@ -324,7 +324,7 @@ class Hub(Endpoint):
     def queued(self) -> list[Envelope]:
         """The messages that have arrived and wait for :meth:`recv`, oldest first (a copy:
         :meth:`recv` still returns each of them). Reads what is waiting on the sockets first,
-        without blocking, sending heartbeats or raising PeerLost."""
+        as :meth:`keepalive` does: without blocking or raising PeerLost, due heartbeats sent."""
         self.keepalive()
         return [env for env, _ in self._pending]
 

@@ -20,6 +20,7 @@ combine only that round's contributions (its own masks).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -562,12 +563,11 @@ class PartyRound:
         if self.received is not None and call.op == "backward":
             self.received.add(call.inputs, ids=call.ids, epoch=self.privacy.epoch)
         specs = [spec for spec in call.sums if self.name in spec.group]
+        rows = len(call.ids)
         if self.overlap:
             self._expect(call, specs)
-        if self.device_time is not None:
-            with self.device_time.span(call.op):
-                out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
-        else:
+        clock = self.device_time
+        with clock.span(call.op) if clock is not None else contextlib.nullcontext():
             out = self.method.handle(call.op, ids=call.ids, args=call.args, inputs=call.inputs)
         for spec in specs:
             if spec.tensor not in out:
@@ -591,7 +591,6 @@ class PartyRound:
                 self.stage.protect(value, round=call.round, group=spec.group, key=spec.key)
             )
             shapes[spec.key] = list(np.shape(value))
-            rows = len(call.ids)
             if rows and np.size(value) % rows == 0:
                 self._widths[(call.op, spec.key)] = int(np.size(value)) // rows
         op = method_spec(self.cfg.method).operation(call.op)
@@ -741,7 +740,7 @@ def overlaps_sums(cfg: RunConfig) -> bool:
     keystreams) on a worker thread before its method computes the values, so that a CPU thread
     makes keystreams while a GPU computes: SECUREVFL_OVERLAP_SUMS=1 turns it on. Off by
     default: on an H100 with Credit's split-NN (hidden [64] and [1024, 1024]) it gained nothing
-    (1.04x and 1.02x the epoch time without it, bench/results/gpu_h100_2026-11-24): a call's
+    (0.98-1.09x the epoch time without it, bench/results/gpu_h100_2026-11-24): a call's
     GPU work is a fraction of a millisecond and launching it is CPU-bound, so the keystream
     thread competes with the launching thread. What is sent is bit-identical either way."""
     forced = os.environ.get("SECUREVFL_OVERLAP_SUMS", "").strip()
