@@ -274,10 +274,7 @@ def per_batch_stages(
     total = time.process_time() - started
     main_thread = time.thread_time() - started_main
     for stage in stages:  # the zero workers stop here, not at exit
-        stage._join()
         stage.close()
-        if stage._pool is not None:
-            stage._pool.shutdown(wait=True)
     ms = {k: round(1e3 * v / rounds, 3) for k, v in spent.items()}
     ms["party: protect (main thread)"] = round(ms["party: protect (main thread)"] / parties, 3)
     all_roles = 1e3 * total / rounds
@@ -420,9 +417,14 @@ def main() -> None:
         prep = F.prepare(ds, Path(tmp))
         for rep in range(args.repeats):
             for label, (aggregation, secure, env) in chosen_variants.items():
-                raw = F.config_raw(ds, aggregation=aggregation, epochs=args.epochs)
-                if secure:
-                    raw["secure"] = dict(secure)
+
+                def config(epochs: int, aggregation=aggregation, secure=secure) -> dict:
+                    raw = F.config_raw(ds, aggregation=aggregation, epochs=epochs)
+                    if secure:
+                        raw["secure"] = dict(secure)
+                    return raw
+
+                raw = config(args.epochs)
                 print(f"{label} (repeat {rep + 1}/{args.repeats}) ...", flush=True)
                 r = run_with_env(env, F.run_federation, prep, raw, Path(tmp) / f"r{rep}-{label}")
                 r["env"] = env
@@ -439,9 +441,7 @@ def main() -> None:
                 )
                 runs.setdefault(label, []).append(r)
                 if args.split_epochs:
-                    raw = F.config_raw(ds, aggregation=aggregation, epochs=args.epochs + 2)
-                    if secure:
-                        raw["secure"] = dict(secure)
+                    raw = config(args.epochs + 2)
                     print(f"{label} (repeat {rep + 1}, {args.epochs + 2} epochs) ...", flush=True)
                     longer = run_with_env(
                         env, F.run_federation, prep, raw, Path(tmp) / f"r{rep}-{label}-long"

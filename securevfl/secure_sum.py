@@ -413,7 +413,13 @@ class CkksParty(PartySumStage):
         weakref.finalize(self, self.source.close)
 
     def close(self) -> None:
-        """Stop the zero helper of ``process`` mode, if any (also done at exit)."""
+        """Stop this party's zero helpers: the worker thread of ``thread`` mode, once its
+        pending preparation is done, and the helper process of ``process`` mode (also done at
+        exit). A later call starts a worker again."""
+        self._join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         if self.source is not None:
             self.public.attach_zero_source(None)
             self.source.close()

@@ -68,3 +68,16 @@ def test_the_delay_comes_from_the_environment_and_bad_values_are_refused(monkeyp
         monkeypatch.setenv("SECUREVFL_CKKS_PREP_DELAY", bad)
         with pytest.raises(ValueError, match="SECUREVFL_CKKS_PREP_DELAY=.*unset it"):
             secure_sum._prep_delay()
+
+
+def test_close_stops_the_worker_after_its_pending_zero(monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setattr(secure_sum, "CKKS_PREP_DELAY_S", 600.0)  # woken by close, not the delay
+    _, party = _party()
+    party.protect(np.ones(10), round=0, group=["a", "b"], key="h")
+    party.close()
+    assert party.public.ready_zeros == 1  # the pending preparation was finished, not dropped
+    assert not any(t.name.startswith("a-ckks-zeros") for t in threading.enumerate())
+    party.protect(np.ones(10), round=1, group=["a", "b"], key="h")  # usable again
+    party.close()
