@@ -299,14 +299,14 @@ def test_standard_errors_reach_the_mle_for_every_direction_draw(tmp_path, monkey
     y, x, mle = cells_mle
     draw = {"seed": -1}
     calls: list[tuple[int, str, int, int]] = []
+    secret = vfem_block.secret_directions
 
     def seeded_directions(rows: int, d: int) -> np.ndarray:
         # one stream per (draw, role, rows): the roles are threads of this process (inproc)
         role = threading.current_thread().name
         calls.append((draw["seed"], role, rows, d))
         rng = np.random.default_rng([draw["seed"], zlib.crc32(role.encode()), rows, d])
-        q, _ = np.linalg.qr(rng.standard_normal((d, rows)))
-        return q.T.copy()
+        return secret(rows, d, rng=rng)
 
     monkeypatch.setattr(vfem_block, "secret_directions", seeded_directions)
     monkeypatch.setattr(vfem_inference, "secret_directions", seeded_directions)

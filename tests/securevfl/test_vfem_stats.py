@@ -13,7 +13,7 @@ import pytest
 import scipy.optimize
 import torch
 
-from securevfl.methods.vfem.block import VfemInputError
+from securevfl.methods.vfem.block import VfemInputError, secret_directions
 from securevfl.methods.vfem.inference import sem_directions, sem_inverse
 from securevfl.stats.gaussian_blocks import BlockParams, unvech, vech
 from securevfl.stats.reference import (
@@ -262,7 +262,7 @@ def test_sem_standard_errors_match_observed_information(fitted):
 
 def _role_directions(rng: np.random.Generator, dims, n_dirs: int) -> np.ndarray:
     """V as the roles draw it: each role's rows orthonormal, independent across roles."""
-    return np.concatenate([np.linalg.qr(rng.standard_normal((n_dirs, r)))[0].T for r in dims])
+    return np.concatenate([secret_directions(r, n_dirs, rng=rng) for r in dims])
 
 
 def _sem_diagonal(v: np.ndarray, u: np.ndarray, rank: int) -> np.ndarray:

@@ -387,12 +387,13 @@ class BlockState:
         self.dbeta = float(state["dbeta"])
 
 
-def secret_directions(rows: int, d: int) -> np.ndarray:
+def secret_directions(rows: int, d: int, *, rng: np.random.Generator | None = None) -> np.ndarray:
     """`rows` orthonormal random rows of length d (a role's rows of the SEM direction matrix V,
-    d directions), from the operating system's CSPRNG so that no other role can regenerate them.
-    Orthonormal within a role; across roles the rows are independent, which is why SEM probes
-    more directions than coordinates (`inference.sem_directions`): a square V would be badly
-    conditioned in some draws."""
-    rng = np.random.default_rng(secrets.randbits(128))
+    d directions), from the operating system's CSPRNG so that no other role can regenerate them
+    (`rng`: another generator, for tests that replay draws). Orthonormal within a role; across
+    roles the rows are independent, which is why SEM probes more directions than coordinates
+    (`inference.sem_directions`): a square V would be badly conditioned in some draws."""
+    if rng is None:
+        rng = np.random.default_rng(secrets.randbits(128))
     q, _ = np.linalg.qr(rng.standard_normal((d, rows)))
     return q.T.copy()
