@@ -6,7 +6,6 @@ sent must not change: the same model with and without, and the prepared keystrea
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +14,7 @@ import crypto.masking as masking
 from securevfl.config import ConfigError
 from securevfl.roles.rounds import overlaps_sums
 from tests.securevfl.conftest import BASE_RAW, make_config, synthetic_csv
-
-PARTIES = ("alpha", "beta", "gamma")
-
-
-def encoders(run_dir: Path, epoch: int) -> dict[str, dict[str, torch.Tensor]]:
-    return {
-        p: torch.load(run_dir / "checkpoints" / p / f"epoch_{epoch:04d}.pt")["method"]["encoder"]
-        for p in PARTIES
-    }
+from tests.securevfl.test_aggregator_in_active import PARTIES, encoders
 
 
 def test_overlapped_keystreams_train_the_same_model_and_are_used(tmp_path, monkeypatch):
