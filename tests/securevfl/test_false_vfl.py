@@ -307,7 +307,8 @@ def test_vanilla_vfl_trains_on_aligned_rows_and_zero_fills_at_test(tmp_path):
 def test_ckks_over_processes_agrees_with_plain(tmp_path):
     small = {"stage1_epochs": 6, "stage2_epochs": 4, "stage2_batch": 32, "batching": "mixed"}
     raw = raw_config(tmp_path, **small, stage1_lr=0.02, stage2_lr=0.02)
-    plain = federation(tmp_path, "plain", raw).run()
+    fed = federation(tmp_path, "plain", raw)
+    plain = fed.run()
     raw["run"]["aggregation"] = "ckks"
     raw["network"] = {"heartbeat_interval": 0.2, "peer_timeout": 5.0, "round_timeout": 60.0}
     config = write_toml(raw, tmp_path / "ckks.toml")
@@ -316,7 +317,16 @@ def test_ckks_over_processes_agrees_with_plain(tmp_path):
     ckks = json.loads((tmp_path / "ckks" / "metrics.json").read_text())
     assert ckks["aggregation"] == "ckks" and ckks["test"]["n_eval"] == plain["n_eval"]
     assert plain["accuracy"] > 0.8, plain
-    assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.01)
+    # CKKS encrypts with fresh randomness, so every run's sums carry a different ~1e-6 error:
+    # stage 1 follows the plain losses closely, stage 2 (whose discriminator game amplifies
+    # small differences) drifts by about a percent, and a few of the 200 test rows may flip
+    # (CI saw 0.865 against plain 0.875; repeated runs 0.87, 0.87, 0.88)
+    stages = [h["stage"] for h in fed.history]
+    assert [h["stage"] for h in ckks["history"]] == stages
+    for a, b in zip(fed.history, ckks["history"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=5e-3 if a["stage"] == 1 else 5e-2), (a, b)
+    assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.03)
+    assert ckks["test"]["roc_auc"] == pytest.approx(plain["roc_auc"], abs=0.02)
 
 
 def bench_module():
