@@ -96,6 +96,90 @@ def test_depth_zero_is_the_default_and_sends_one_call_at_a_time(tmp_path, monkey
     assert backward and all(not m._pending for m in default.party_methods.values())
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_the_head_steps_while_the_next_sum_is_computed_and_the_run_is_unchanged(
+    tmp_path, monkeypatch, depth
+):
+    """Plain training defers the head's optimiser step of batch t until the forward of batch
+    t + 1 (carrying the parties' update of batch t) is on its way: the step leaves the round
+    trip, yet comes before the head's next forward, so the run equals the one that steps first
+    bit for bit (losses, metrics, every weight)."""
+    order: list[str] = []
+    real_post = SplitNNActive._training_sums
+
+    def spy_sums(method, ctx, batches):
+        post = ctx.post
+
+        def posting(op, **kw):
+            order.append(op)
+            return post(op, **kw)
+
+        ctx.post = posting
+        try:
+            yield from real_post(method, ctx, batches)
+        finally:
+            del ctx.post
+
+    runs = {}
+    for defer in (False, True):
+        monkeypatch.setattr(SplitNNActive, "defers_head_step", defer)
+        monkeypatch.setattr(SplitNNActive, "_training_sums", spy_sums)
+        order.clear()
+        fed = DirectFederation(
+            config(tmp_path, depth=depth, epochs=2, batch=64), run_dir=tmp_path / f"{defer}"
+        )
+        steps = []
+        step = type(fed.method.optimizer).step
+
+        def counting(opt, *a, _step=step, _head=fed.method.optimizer, _seen=steps, **kw):
+            if opt is _head:  # the parties' optimisers are of the same class
+                _seen.append(len(order))  # how many forwards had been posted at this step
+            return _step(opt, *a, **kw)
+
+        monkeypatch.setattr(type(fed.method.optimizer), "step", counting)
+        runs[defer] = (fed.run(), [h["loss"] for h in fed.history], weights(fed), list(steps))
+        monkeypatch.setattr(type(fed.method.optimizer), "step", step)
+    (m0, loss0, w0, steps0), (m1, loss1, w1, steps1) = runs[False], runs[True]
+    assert m1 == m0 and loss1 == loss0
+    assert w0.keys() == w1.keys() and all(np.array_equal(w0[k], w1[k]) for k in w0)
+    assert len(steps0) == len(steps1) > 4
+    per_epoch = len(steps0) // 2
+    # stepping first: batch t's step comes before the forward of batch t + 1 + depth is posted;
+    # deferred: after it, except at an epoch's end (its last forwards are posted already)
+    for t in range(per_epoch - 1 - depth):
+        assert steps1[t] == steps0[t] + 1, (t, steps0[:6], steps1[:6])
+
+
+def test_the_head_steps_before_any_release_under_dp_sgd(tmp_path, monkeypatch):
+    """With DP-SGD on the head the step is not deferred: a budget that runs out stops the run
+    before the gradients of that batch leave the active party."""
+    from securevfl.roles.active_round import ActiveRound
+
+    raw = copy.deepcopy(BASE_RAW)
+    raw["train"].update({"epochs": 1, "batch_size": 64})
+    raw["active"]["dp_sgd"] = {"clip": 1.0, "noise_multiplier": 1.0}
+    synthetic_csv(tmp_path / "data.csv", n=600)
+    fed = DirectFederation(make_config(raw, tmp_path), run_dir=tmp_path / "run")
+    events: list[str] = []
+    release = ActiveRound.return_gradients
+
+    def returning(ctx, *a, **kw):
+        events.append("release")
+        return release(ctx, *a, **kw)
+
+    monkeypatch.setattr(ActiveRound, "return_gradients", returning)
+    step = type(fed.method.optimizer).step
+
+    def stepping(opt, *a, **kw):
+        if opt is fed.method.optimizer:
+            events.append("step")
+        return step(opt, *a, **kw)
+
+    monkeypatch.setattr(type(fed.method.optimizer), "step", stepping)
+    fed.run()
+    assert events[:4] == ["step", "release", "step", "release"], events[:6]
+
+
 # ------------------------------------------------------------------------------ depth d > 0
 
 
