@@ -1,0 +1,92 @@
+"""`FamilyGuard`, the passive party's differencing check, against its definition: a row's family
+is the groups of every call of one model version that summed it, and a call is refused exactly
+when some row's family plus the call's groups isolates fewer than min_group parties. The guard
+keeps rows in merged blocks (linear, not quadratic, in an evaluation's calls); the oracle here
+keeps a plain dict of every row's groups."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from securevfl.roles.guard import FamilyGuard
+from securevfl.secure_sum import isolating_set
+
+PARTIES = ("p1", "p2", "p3", "p4")
+
+
+class Oracle:
+    def __init__(self, min_group: int) -> None:
+        self.min_group = min_group
+        self.rows: dict[str, dict[int, tuple[frozenset[str], ...]]] = {}
+
+    def admit(self, tensor, ids, groups) -> bool:
+        groups = tuple(dict.fromkeys(groups))
+        seen = self.rows.setdefault(tensor, {})
+        for row in ids.tolist():
+            family = tuple(dict.fromkeys(seen.get(row, ()) + groups))
+            if isolating_set(family, self.min_group) is not None:
+                return False
+        for row in ids.tolist():
+            seen[row] = tuple(dict.fromkeys(seen.get(row, ()) + groups))
+        return True
+
+
+def random_group(rng) -> frozenset[str]:
+    size = int(rng.integers(2, len(PARTIES) + 1))
+    return frozenset(rng.choice(PARTIES, size=size, replace=False).tolist())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_guard_refuses_exactly_what_the_definition_refuses(seed):
+    rng = np.random.default_rng(seed)
+    guard, oracle = FamilyGuard(min_group=2), Oracle(min_group=2)
+    refused = admitted = 0
+    for _ in range(120):
+        if rng.random() < 0.05:
+            guard.new_version()
+            oracle.rows.clear()
+        tensor = str(rng.choice(["rep", "grad"]))
+        # overlapping, repeated and fresh rows, in any order, sometimes with duplicates
+        ids = rng.integers(0, 300, size=int(rng.integers(1, 40)))
+        groups = [random_group(rng) for _ in range(int(rng.integers(1, 3)))]
+        expected = oracle.admit(tensor, ids, groups)
+        reason = guard.admit(tensor, ids, groups)
+        assert (reason is None) == expected, (ids, groups, reason)
+        if reason is not None:
+            assert "combine into the contribution of" in reason and f"{tensor!r}" in reason
+            row = int(reason.split()[1].rstrip(":"))
+            assert row in ids.tolist()
+        refused += reason is not None
+        admitted += reason is None
+    assert refused > 5 and admitted > 5  # both branches exercised
+
+
+def test_a_refused_call_records_nothing():
+    guard = FamilyGuard(min_group=2)
+    ids = np.arange(10)
+    assert guard.admit("rep", ids, [frozenset(PARTIES)]) is None
+    # {p1..p4} minus {p1,p2,p3} isolates p4: refused, and the family is left as it was
+    assert guard.admit("rep", ids[:3], [frozenset(("p1", "p2", "p3"))]) is not None
+    assert guard.admit("rep", ids[5:], [frozenset(PARTIES)]) is None  # the same sum again
+    assert guard.admit("rep", np.arange(10, 20), [frozenset(("p1", "p2", "p3"))]) is None
+
+
+def test_disjoint_calls_keep_logarithmically_many_blocks():
+    """An evaluation: many calls of fresh rows with the same group. The rows are stored in
+    O(log n) blocks (so each call's look-up is O(k log n)), each row once, sorted."""
+    guard = FamilyGuard(min_group=2)
+    calls, k = 300, 64
+    rng = np.random.default_rng(0)
+    order = rng.permutation(calls * k)
+    for c in range(calls):
+        assert guard.admit("rep", order[c * k : (c + 1) * k], [frozenset(PARTIES)]) is None
+        blocks = guard._tensors["rep"].blocks
+        assert len(blocks) <= math.ceil(math.log2(c + 1)) + 2, (c, [len(b) for b, _ in blocks])
+    rows = np.concatenate([b for b, _ in blocks])
+    assert len(rows) == calls * k and np.array_equal(np.sort(rows), np.arange(calls * k))
+    assert all(np.all(np.diff(b) > 0) for b, _ in blocks)
+    # a row seen in the first call is still found: a subset of the group is refused for it
+    assert guard.admit("rep", order[:1], [frozenset(("p1", "p2", "p3"))]) is not None
