@@ -3,7 +3,11 @@ in one run: plain; ``ckks-before``, the CKKS sum before the raw wire format (SEA
 serialisation through a tmpfs file per ciphertext, encryptions of zero on a worker started at
 once); ``ckks``, today's defaults (raw wire, zeros on a worker thread woken by each call, which
 waits 2 ms first), with the parameters a run sizes from the default value bound ([secure]
-bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024).
+bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024). The sized
+chains have no special prime (``crypto.ckks.choose_params``); ``ckks-special`` and
+``ckks-m<magnitude>-special`` fix the chains that were sized before, with SEAL's 20-bit special
+prime ((34, 33, 20) and (56, 20) at scale 2^40), so the two are compared in the same run
+(``--variants`` picks).
 ``--ablation`` adds the other ways of making the encryptions of zero
 (``SECUREVFL_CKKS_ZEROS``): ``ckks-raw-nodelay`` (worker started at once), ``ckks-fresh`` (none
 made ahead), ``ckks-process`` (a nice-19 helper process per party), ``ckks-idle`` and
@@ -46,7 +50,9 @@ from crypto.ckks import (  # noqa: E402
     WIRE_ENV,
     WIRE_RAW,
     WIRE_SEAL,
+    CkksParams,
     choose_params,
+    describe_params,
     security_level,
 )
 
@@ -54,6 +60,34 @@ PREP_DELAY_ENV = "SECUREVFL_CKKS_PREP_DELAY"  # read by securevfl.secure_sum
 ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"  # read by securevfl.secure_sum (thread, process, idle, fresh)
 
 REPO = Path(__file__).resolve().parents[1]
+
+# what choose_params picked before chains lost their special prime (Credit, 4 parties, 12 bits):
+# the default bound 2^20, and ckks.magnitude = 1024
+SPECIAL_DEFAULT = CkksParams(4096, (34, 33, 20), 40)
+SPECIAL_1024 = CkksParams(4096, (56, 20), 40)
+
+
+def fixed(params: CkksParams) -> dict[str, Any]:
+    """[secure] keys that fix `params` (chains with a special prime: SEAL's layout)."""
+    return {
+        "ckks.poly_modulus_degree": params.poly_modulus_degree,
+        "ckks.coeff_mod_bit_sizes": list(params.coeff_mod_bit_sizes),
+        "ckks.scale_bits": params.scale_bits,
+    }
+
+
+def chains(parties: int) -> dict[str, CkksParams]:
+    """label -> the chains compared per batch: sized (no special prime) and the earlier ones."""
+    return {
+        "2^20 data-only": choose_params(
+            precision_bits=12, magnitude=2.0**20, terms=parties + 1
+        ).params,
+        "2^20 special": SPECIAL_DEFAULT,
+        "1024 data-only": choose_params(
+            precision_bits=12, magnitude=1024.0, terms=parties + 1
+        ).params,
+        "1024 special": SPECIAL_1024,
+    }
 
 
 def variants(
@@ -82,7 +116,10 @@ def variants(
         out["ckks-idle0"] = ("ckks", {}, {ZEROS_ENV: "idle", PREP_DELAY_ENV: "0"})
     # the default: raw wire, zeros on a worker thread woken by each call, after 2 ms
     out["ckks"] = ("ckks", {}, {})
+    out["ckks-special"] = ("ckks", fixed(SPECIAL_DEFAULT), {})
     out[f"ckks-m{magnitude:g}"] = ("ckks", {"ckks.magnitude": magnitude}, {})
+    if magnitude == 1024.0:
+        out[f"ckks-m{magnitude:g}-special"] = ("ckks", fixed(SPECIAL_1024), {})
     return out
 
 
@@ -125,8 +162,7 @@ def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -
 
     result: dict[str, Any] = {}
     release = DecryptionRelease(precision_bits=12, flood_bits=10)
-    for magnitude in (2.0**20, 1024.0):
-        params = choose_params(precision_bits=12, magnitude=magnitude, terms=parties + 1).params
+    for chain, params in chains(parties).items():
         holder = CkksKeyHolder(params=params)
         x = np.random.default_rng(0).normal(size=values)
         for wire in (WIRE_SEAL, WIRE_RAW):
@@ -183,7 +219,10 @@ def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -
             )
             key = f"{'-'.join(map(str, params.coeff_mod_bit_sizes))} {wire}"
             result[key] = {
+                "chain": chain,
                 "params": list(params.coeff_mod_bit_sizes),
+                "special_prime": params.special_prime,
+                "scale_bits": params.scale_bits,
                 "wire": pub.wire_format,
                 "chunk_bytes": len(chunk),
                 "ms": steps,
@@ -206,12 +245,18 @@ def per_batch_breakdown(*, parties: int, values: int = 4096, rounds: int = 20) -
 
 
 def per_batch_stages(
-    *, parties: int, values: int = 4096, rounds: int = 30, zeros: str = "thread"
+    *,
+    parties: int,
+    values: int = 4096,
+    rounds: int = 30,
+    zeros: str = "thread",
+    params: CkksParams | None = None,
 ) -> dict[str, Any]:
     """CPU milliseconds per batch of each role's secure-sum stage as a run calls it: the real
     `securevfl.secure_sum` classes (`CkksParty.protect` with its zero worker in mode `zeros`,
     `CkksAggregator.accept` of each contribution then `combine_accepted`, `CkksActive.reveal`
-    with the run's flooding), the parameters a run sizes from the default bound, the mean over
+    with the run's flooding), `params` (default: those a run sizes from the default bound), the
+    mean over
     `rounds` batches after 3 warm-up ones (not the best: what a run pays). Stage calls are
     timed with time.thread_time (the calling thread only). A party waits 5 ms after its call,
     as it waits for the network, so its zero worker runs then; the process CPU outside the
@@ -223,7 +268,8 @@ def per_batch_stages(
     from crypto.ckks import CkksKeyHolder, DecryptionRelease
     from securevfl.secure_sum import CkksActive, CkksAggregator, CkksParty, SumSession
 
-    params = choose_params(precision_bits=12, magnitude=2.0**20, terms=parties + 1).params
+    if params is None:
+        params = choose_params(precision_bits=12, magnitude=2.0**20, terms=parties + 1).params
     holder = CkksKeyHolder(params=params)
     context = holder.public_context_bytes()
     names = [f"p{i + 1}" for i in range(parties)]
@@ -283,6 +329,8 @@ def per_batch_stages(
     )
     return {
         "params": list(params.coeff_mod_bit_sizes),
+        "special_prime": params.special_prime,
+        "scale_bits": params.scale_bits,
         "zeros": zeros,
         "parties": parties,
         "values": values,
@@ -361,7 +409,16 @@ def gil_check(*, zeros: int = 100) -> dict[str, Any]:
 
 
 def chosen(secure: dict[str, Any], parties: int) -> dict[str, Any]:
-    """The CKKS parameters a run with these [secure] keys sizes (as securevfl.secure_sum)."""
+    """The CKKS parameters a run with these [secure] keys sizes or fixes (as
+    securevfl.secure_sum)."""
+    if "ckks.poly_modulus_degree" in secure:
+        params = CkksParams(
+            secure["ckks.poly_modulus_degree"],
+            tuple(secure["ckks.coeff_mod_bit_sizes"]),
+            secure["ckks.scale_bits"],
+        )
+        sizing = describe_params(params, terms=parties + 1)
+        return {**sizing.as_dict(), "security_bits_by_table": security_level(params)}
     magnitude = secure.get("ckks.magnitude", 2.0**20)
     sizing = choose_params(precision_bits=12, magnitude=magnitude, terms=parties + 1)
     return {**sizing.as_dict(), "security_bits_by_table": security_level(sizing.params)}
@@ -389,10 +446,14 @@ def main() -> None:
     stages = (
         {}
         if args.no_breakdown
-        else {z: per_batch_stages(parties=len(ds.parties), zeros=z) for z in ("thread", "fresh")}
+        else {
+            f"{z} {chain}": per_batch_stages(parties=len(ds.parties), zeros=z, params=params)
+            for chain, params in chains(len(ds.parties)).items()
+            for z in ("thread", "fresh")
+        }
     )
     for z, st in stages.items():
-        print(f"stages per batch, zeros={z}: {st['ms']} (all roles {st['ms_cpu_all_roles']} ms)")
+        print(f"stages per batch, {z}: {st['ms']} (all roles {st['ms_cpu_all_roles']} ms)")
     gil = {} if args.no_breakdown else gil_check()
     if gil:
         print(f"GIL in SEAL's encryption: {gil}", flush=True)

@@ -2,9 +2,12 @@
 
 Roles (DESIGN.md section 2, "ckks backend"):
 
-- :class:`CkksKeyHolder` (the active party) creates the CKKS context, keeps the secret key and
-  exports only the public part (public key and encryption parameters; no secret key, no
-  Galois keys, no relinearisation keys: sums need none).
+- :class:`CkksKeyHolder` (the active party) creates the SEAL context and keys, keeps the
+  secret key and exports only the public part (the encryption parameters, the scale, whether
+  the chain has a special prime, and the public key; no secret key, no Galois keys, no
+  relinearisation keys: sums need none). The public part is this module's own framing of
+  SEAL's serialised parameters and public key (``_pack_public``), not a TenSEAL context:
+  TenSEAL always makes relinearisation keys, so it refuses a chain without a special prime.
 - :class:`CkksPublic` (passive parties and the aggregator) loads that public part. Parties
   :meth:`~CkksPublic.encrypt` their contributions; the aggregator :meth:`~CkksPublic.add`\\ s
   them. Neither can decrypt.
@@ -39,30 +42,36 @@ never encrypts under a context weaker than that. :func:`security_level` also rep
 parameter set meets the 192- and 256-bit rows of the same standard.
 
 Parameters sized to the values. Sums need no multiplication, hence no rescaling level, and no
-prime has to match the scale: the data primes (one, or a few when the values need more than
-60 bits) only need a product that holds the scale plus the sum's integer bits, plus the
-special prime. :func:`choose_params` picks the smallest degree and the shortest chain whose
-data modulus has exactly the bits that the requested security, the requested precision of the
-released sum (bits after the point, flooding included) and a magnitude bound for a sum of K
-contributions need. A ciphertext then costs ``16 * data primes`` bytes per value before
-compression, and SEAL's zstd compression of the 64-bit coefficient words brings that close to
-``data bits / 4`` (e.g. 15 bytes per value for one 56-bit prime, 3.8x a float32).
+prime has to match the scale: the data primes (one, or a few when the values need more than 60
+bits) only need a product that holds the scale plus the sum's integer bits. Sums never
+key-switch either, so :func:`choose_params` adds no special prime: SEAL would encrypt under it
+and divide it away, which costs about a third of an encryption of zero and only makes the fresh
+noise smaller than :func:`error_bound`, which the scale is sized by anyway (see
+:class:`_SealSetup` for how ciphertexts are made at the data level). Chains given by hand keep
+SEAL's layout (last prime special) unless they say ``special_prime=False``; the security row is
+checked on the whole chain either way. :func:`choose_params` picks the smallest degree and the
+shortest chain whose data modulus has exactly the bits that the requested security, the
+requested precision of the released sum (bits after the point, flooding included) and a
+magnitude bound for a sum of K contributions need. A ciphertext then costs ``16 * data primes``
+bytes per value before compression, and SEAL's zstd compression of the 64-bit coefficient words
+brings that close to ``data bits / 4`` (e.g. 15 bytes per value for one 57-bit prime, 3.8x a
+float32).
 
 Packing and speed. Two real values share each complex CKKS slot, so a ciphertext of degree N
 carries N values (TenSEAL's real-only vectors carry N/2 for the same bytes and time); every
 chunk is full but an array's last. The module drives SEAL through TenSEAL's ``sealapi``
-binding (TenSEAL itself only creates and serialises the context). SEAL holds the GIL in
-encryption, decryption, encoding and adding (the binding never releases it), so a thread pool
-cannot encrypt chunks in parallel; instead :meth:`CkksPublic.prepare_zeros` precomputes
-encryptions of zero off the critical path (a caller's worker thread, while the caller waits
-on the network), and :meth:`CkksPublic.encrypt` then only encodes and adds each chunk into
-one (SEAL's encryption is exactly an encryption of zero plus the plaintext, so the result is
-a fresh encryption). Each encryption of zero is used once. A chunk travels as a 4-byte value
-count and the ciphertext's coefficients copied out of SEAL's memory in as many bytes as each
-prime needs (the ``raw`` format: no file, no compression; within 1% of the size of SEAL's
-zstd serialisation at the default Credit parameters and 7% smaller with one 56-bit prime,
-written in about a ninth and read in under half of SEAL's CPU time, measured by
-``bench/ckks_overhead.py``), or SEAL's own serialisation (``seal``); see ``_CkksCodec``.
+binding. SEAL holds the GIL in encryption, decryption, encoding and adding (the binding never
+releases it), so a thread pool cannot encrypt chunks in parallel; instead
+:meth:`CkksPublic.prepare_zeros` precomputes encryptions of zero off the critical path (a
+caller's worker thread, while the caller waits on the network), and :meth:`CkksPublic.encrypt`
+then only encodes and adds each chunk into one (SEAL's encryption is exactly an encryption of
+zero plus the plaintext, so the result is a fresh encryption). Each encryption of zero is used
+once. A chunk travels as a 4-byte value count and the ciphertext's coefficients copied out of
+SEAL's memory in as many bytes as each prime needs (the ``raw`` format: no file, no
+compression; within 1% of the size of SEAL's zstd serialisation at the default Credit
+parameters and 7% smaller with one 56-bit prime, written in about a ninth and read in under
+half of SEAL's CPU time, measured by ``bench/ckks_overhead.py``), or SEAL's own serialisation
+(``seal``); see ``_CkksCodec``.
 
 Decryptions that leave the key holder. CKKS is approximate: a decryption is the message plus
 an error that depends on the secret key, and an adversary who sees exact decryptions of
@@ -73,7 +82,8 @@ Gaussian noise of standard deviation ``2**flood_bits`` times :func:`error_bound`
 high-probability bound on the decryption error of a sum of ``terms`` fresh ciphertexts), from a
 generator seeded by the operating system's CSPRNG, then rounds it to ``2**-precision_bits``.
 The per-value statistical distance to a flooded exact value is at most about
-``2**-flood_bits`` (the bound is ~20x the typical error, so ~2**-14 in practice): a mitigation
+``2**-flood_bits`` (the bound is ~15x the error's standard deviation without a special prime,
+so ~2**-14 in practice, and more with one): a mitigation
 sized so that training is unaffected, not the ~2**-40 flooding of a formal IND-CPA^D proof,
 which would swamp the values. :meth:`CkksKeyHolder.decrypt_sum` without a release returns the
 raw decryption, which must not leave the key holder.
@@ -83,6 +93,7 @@ This module uses TenSEAL and NumPy only; it knows nothing of ML or of the transp
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -92,13 +103,12 @@ import struct
 import tempfile
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tenseal as ts
-import tenseal.sealapi as sealapi  # SEAL itself: complex slots, encrypt_zero, add
+import tenseal.sealapi as sealapi  # SEAL itself: contexts, keys, complex slots, encrypt_zero
 
 __all__ = [
     "MAX_COEFF_MODULUS_BITS",
@@ -110,6 +120,7 @@ __all__ = [
     "CkksError",
     "CkksSizing",
     "DecryptionRelease",
+    "ERROR_BOUND_TAIL",
     "error_bound",
     "CkksKeyHolder",
     "CkksParams",
@@ -164,22 +175,29 @@ class CkksError(ValueError):
 class CkksParams:
     """CKKS encryption parameters; :meth:`validate` refuses anything below 128-bit security.
 
-    ``coeff_mod_bit_sizes`` is the prime chain: every prime but the last together form the data
-    modulus that holds an encoded sum (sums need no rescaling, so no prime has to match the
-    scale), the last is the special prime used for key switching.
+    ``coeff_mod_bit_sizes`` is the prime chain. With ``special_prime`` (the default, SEAL's
+    usual layout) every prime but the last forms the data modulus that holds an encoded sum and
+    the last is the special prime: SEAL encrypts under the whole chain and then divides the
+    fresh noise by that prime. Without it every prime is a data prime and ciphertexts are made
+    directly at the data level (see :class:`_SealSetup`): sums never key-switch, so the special
+    prime only bought a smaller fresh noise, which :func:`error_bound` does not count on, at
+    the cost of one more prime in every encryption. Either way sums need no rescaling, so no
+    prime has to match the scale.
     """
 
     poly_modulus_degree: int = 8192
     coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
     scale_bits: int = 40
+    special_prime: bool = True
 
     def validate(self) -> None:
         """Raise :class:`ValueError` naming the field if the parameters are unusable or weak.
 
-        Refuses: a degree that is not a power of two in [1024, 32768]; fewer than two primes;
-        a prime outside [log2(2 * degree) + 1, 60] bits; a total modulus above SEAL's
-        128-bit limit for the degree (see :data:`MAX_COEFF_MODULUS_BITS_128`); a scale below
-        20 bits, or one that leaves the data modulus no room for a sum's integer part
+        Refuses: a degree that is not a power of two in [1024, 32768]; ``special_prime`` not a
+        bool; fewer than two primes with a special prime, or none without; a prime outside
+        [log2(2 * degree) + 1, 60] bits; a total modulus (the whole chain) above SEAL's 128-bit
+        limit for the degree (see :data:`MAX_COEFF_MODULUS_BITS_128`); a scale below 20 bits,
+        or one that leaves the data modulus no room for a sum's integer part
         (:attr:`magnitude_bits` below 0).
         """
         n = self.poly_modulus_degree
@@ -197,11 +215,15 @@ class CkksParams:
                 f"coeff_mod_bit_sizes must be a tuple of ints, got {sizes!r}; "
                 "use a tuple such as (60, 40, 40, 60)."
             )
-        if len(sizes) < 2:
+        if not isinstance(self.special_prime, bool):
+            raise ValueError(f"special_prime must be a bool, got {self.special_prime!r}.")
+        if self.special_prime and len(sizes) < 2:
             raise ValueError(
                 "coeff_mod_bit_sizes needs at least two primes (one data prime and the special "
-                f"prime), got {sizes!r}."
+                f"prime), got {sizes!r}; or set special_prime=False to use every prime for data."
             )
+        if not sizes:
+            raise ValueError("coeff_mod_bit_sizes needs at least one prime, got ().")
         # A prime p = 1 mod 2n needs more bits than 2n itself.
         min_prime_bits = int(math.log2(2 * n)) + 1
         for i, bits in enumerate(sizes):
@@ -226,13 +248,13 @@ class CkksParams:
                 f"scale_bits = {s} is below {_MIN_SCALE_BITS}; the decrypted sum would be too "
                 "imprecise."
             )
-        data_primes = len(sizes) - 1
+        data_primes = self.data_primes
         if self.data_bits - data_primes - s - 2 < 0:
             # sums need no rescaling, so only the data modulus as a whole must hold the scale
             raise ValueError(
-                f"scale_bits = {s} leaves no room for the integer part of a sum: the data primes "
-                f"{sizes[:-1]} hold {self.data_bits} bits, which must be at least scale_bits + "
-                f"{data_primes + 2}; add bits to the data primes or lower scale_bits."
+                f"scale_bits = {s} leaves no room for the integer part of a sum: the data "
+                f"primes {sizes[:data_primes]} hold {self.data_bits} bits, which must be at least "
+                f"scale_bits + {data_primes + 2}; add bits to the data primes or lower scale_bits."
             )
 
     @property
@@ -241,9 +263,19 @@ class CkksParams:
         return self.poly_modulus_degree
 
     @property
+    def data_primes(self) -> int:
+        """How many primes form the data modulus: all of them, or all but the special one."""
+        return len(self.coeff_mod_bit_sizes) - (1 if self.special_prime else 0)
+
+    @property
+    def data_bit_sizes(self) -> tuple[int, ...]:
+        """Bit sizes of the data primes (the chain without its special prime, if any)."""
+        return self.coeff_mod_bit_sizes[: self.data_primes]
+
+    @property
     def data_bits(self) -> int:
         """Bits of the data modulus Q (every prime but the special one): what holds a sum."""
-        return sum(self.coeff_mod_bit_sizes[:-1])
+        return sum(self.data_bit_sizes)
 
     @property
     def magnitude_bits(self) -> int:
@@ -255,14 +287,12 @@ class CkksParams:
         modulus, which must stay below Q/2: half a bit for the sqrt(2), half a bit left for
         the noise.
         """
-        data_primes = len(self.coeff_mod_bit_sizes) - 1
-        return self.data_bits - data_primes - self.scale_bits - 2
+        return self.data_bits - self.data_primes - self.scale_bits - 2
 
     @property
     def max_chunk_bytes(self) -> int:
         """Upper bound on a serialized chunk; larger frames are refused before parsing."""
-        data_primes = len(self.coeff_mod_bit_sizes) - 1
-        return 2 * self.poly_modulus_degree * data_primes * 8 + _CHUNK_OVERHEAD_BYTES
+        return 2 * self.poly_modulus_degree * self.data_primes * 8 + _CHUNK_OVERHEAD_BYTES
 
 
 #: The design's default parameters: degree 8192, primes (60, 40, 40, 60), scale 2^40.
@@ -306,6 +336,7 @@ class CkksSizing:
             "poly_modulus_degree": self.params.poly_modulus_degree,
             "coeff_mod_bit_sizes": list(self.params.coeff_mod_bit_sizes),
             "scale_bits": self.params.scale_bits,
+            "special_prime": self.params.special_prime,
             "security_bits": self.security_bits,
             "terms": self.terms,
             "flood_bits": self.flood_bits,
@@ -319,7 +350,7 @@ class CkksSizing:
 def describe_params(params: CkksParams, *, terms: int, flood_bits: int = 10) -> CkksSizing:
     """The guarantees of ``params`` for a sum of ``terms`` released with ``flood_bits``."""
     bound = error_bound(params, terms=terms)
-    data_primes = len(params.coeff_mod_bit_sizes) - 1
+    data_primes = params.data_primes
     return CkksSizing(
         params=params,
         security_bits=security_level(params),
@@ -330,11 +361,6 @@ def describe_params(params: CkksParams, *, terms: int, flood_bits: int = 10) -> 
         magnitude_bits=params.magnitude_bits,
         bytes_per_value=2 * data_primes * 8 * params.poly_modulus_degree / params.slots,
     )
-
-
-# Special prime: only divides the fresh encryption noise (no key switching in sums); 20 bits
-# leave that noise far below the rounding noise at every degree.
-_SPECIAL_PRIME_BITS = 20
 
 
 def choose_params(
@@ -352,7 +378,8 @@ def choose_params(
     Smallest degree first, then the shortest chain: a scale just large enough for the
     precision (by :func:`error_bound`), the fewest data primes whose product just holds the
     scale plus the sum's integer bits (split evenly: no prime needs to match the scale, since
-    sums never rescale), and a 20-bit special prime. Promises parameters that
+    sums never rescale), and no special prime (sums never key-switch; :func:`error_bound` is the
+    noise of an encryption made directly at the data level). Promises parameters that
     :meth:`CkksParams.validate` accepts and that meet the security row. Refuses (ValueError)
     non-positive terms or magnitude, an unknown security level, and requirements no degree up
     to 32768 can meet, saying which.
@@ -369,23 +396,24 @@ def choose_params(
     limits = MAX_COEFF_MODULUS_BITS[security_bits]
     tried = []
     for degree in sorted(limits):
-        # error_bound = 6 * 3.2 * sqrt(4/3) * N * sqrt(terms) / 2**scale
-        noise_bits = math.log2(6.0 * _SEAL_ERROR_STD * math.sqrt(4.0 / 3.0) * degree)
-        scale = max(
-            _MIN_SCALE_BITS,
-            math.ceil(precision_bits + flood_bits + noise_bits + 0.5 * math.log2(terms)),
-        )
+        # error_bound(params, terms) = _error_bound_units(degree, terms) / 2**scale
+        noise_bits = math.log2(_error_bound_units(degree, terms))
+        scale = max(_MIN_SCALE_BITS, math.ceil(precision_bits + flood_bits + noise_bits))
         primes = _data_primes(
             scale=scale, sum_bits=sum_bits, min_bits=int(math.log2(2 * degree)) + 1
         )
         if primes is None:
             tried.append(f"{degree}: scale {scale} leaves no room below {_MAX_PRIME_BITS} bits")
             continue
-        sizes = (*primes, max(_SPECIAL_PRIME_BITS, int(math.log2(2 * degree)) + 1))
-        if sum(sizes) > limits[degree]:
-            tried.append(f"{degree}: {sum(sizes)} bits > {limits[degree]}")
+        if sum(primes) > limits[degree]:
+            tried.append(f"{degree}: {sum(primes)} bits > {limits[degree]}")
             continue
-        params = CkksParams(poly_modulus_degree=degree, coeff_mod_bit_sizes=sizes, scale_bits=scale)
+        params = CkksParams(
+            poly_modulus_degree=degree,
+            coeff_mod_bit_sizes=primes,
+            scale_bits=scale,
+            special_prime=False,
+        )
         params.validate()
         return describe_params(params, terms=terms, flood_bits=flood_bits)
     raise ValueError(
@@ -478,22 +506,211 @@ def _chunk_length(index: int, length: int, slots: int) -> int:
     return min(slots, length - index * slots)
 
 
-def _params_of(context: ts.Context) -> CkksParams:
-    """Read the parameters a TenSEAL context was built with; refuse non-CKKS contexts."""
+# The exported public part: a magic, then tagged sections (4-byte tag, 4-byte little-endian
+# length, bytes). This module writes META, PARM and PKEY only; the public side refuses SKEY
+# (a secret key), any unknown tag, a duplicate, and a missing PARM, META or PKEY.
+_PUBLIC_MAGIC = b"SVCKKSP1"
+_TAG_META = b"META"  # scale_bits (u8), special_prime (u8)
+_TAG_PARMS = b"PARM"  # SEAL's serialised EncryptionParameters
+_TAG_PUBLIC_KEY = b"PKEY"  # SEAL's serialised PublicKey
+_TAG_SECRET_KEY = b"SKEY"  # never written here: named so the public side can refuse it clearly
+_SECTION = struct.Struct("<4sI")
+_META = struct.Struct("<BB")
+
+
+def _pack_public(sections: Sequence[tuple[bytes, bytes]]) -> bytes:
+    """The public-part bytes of ``(tag, payload)`` sections, in order."""
+    return _PUBLIC_MAGIC + b"".join(_SECTION.pack(tag, len(data)) + data for tag, data in sections)
+
+
+def _unpack_public(data: bytes) -> dict[bytes, bytes]:
+    """The sections of a public part; refuses (CkksError) a wrong magic, a truncated section
+    and a duplicate tag."""
+    if not data.startswith(_PUBLIC_MAGIC):
+        raise CkksError(
+            "the context bytes could not be parsed: they are not a securevfl CKKS public context "
+            f"(no {_PUBLIC_MAGIC!r} magic); pass what CkksKeyHolder.public_context_bytes() "
+            "returned, from a key holder of this version."
+        )
+    sections: dict[bytes, bytes] = {}
+    offset = len(_PUBLIC_MAGIC)
+    while offset < len(data):
+        if offset + _SECTION.size > len(data):
+            raise CkksError("the context bytes could not be parsed: a section header is truncated.")
+        tag, size = _SECTION.unpack_from(data, offset)
+        offset += _SECTION.size
+        if offset + size > len(data):
+            raise CkksError(
+                f"the context bytes could not be parsed: section {tag!r} claims {size} bytes but "
+                f"{len(data) - offset} remain (truncated)."
+            )
+        if tag in sections:
+            raise CkksError(f"the context bytes could not be parsed: section {tag!r} repeats.")
+        sections[tag] = data[offset : offset + size]
+        offset += size
+    return sections
+
+
+@contextlib.contextmanager
+def _seal_path() -> Iterator[str]:
+    """A path for one SEAL save or load (the binding only takes paths): an anonymous memfd
+    reached through /proc/self/fd where Linux offers it (no name in any directory, so even a
+    key's bytes never land in a file others could list), else a private 0700 directory."""
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        fd = os.memfd_create("securevfl-ckks", getattr(os, "MFD_CLOEXEC", 1))
+        try:
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+    else:
+        scratch = tempfile.mkdtemp(prefix="securevfl-ckks-")
+        try:
+            yield os.path.join(scratch, "seal")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _seal_save(save: Any) -> bytes:
+    """The bytes a SEAL object's ``save(path)`` writes."""
+    with _seal_path() as path:
+        save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def _seal_load(load: Any, data: bytes) -> None:
+    """Feed ``data`` to a SEAL object's ``load(path)``."""
+    with _seal_path() as path:
+        with open(path, "wb") as f:
+            f.write(data)
+        load(path)
+
+
+def _encryption_parameters(params: CkksParams) -> Any:
+    """SEAL's EncryptionParameters for ``params`` (SEAL picks the primes)."""
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(params.poly_modulus_degree)
     try:
-        parms = context.seal_context().data.key_context_data().parms()
+        parms.set_coeff_modulus(
+            sealapi.CoeffModulus.Create(
+                params.poly_modulus_degree, list(params.coeff_mod_bit_sizes)
+            )
+        )
+    except Exception as exc:  # e.g. SEAL finds no prime of a requested size
+        raise CkksError(f"SEAL refused the parameters {params}: {exc}.") from exc
+    return parms
+
+
+def _params_from(parms: Any, meta: bytes) -> CkksParams:
+    """The parameters a received public part describes; refuses a non-CKKS scheme and a
+    malformed META section (CkksError). Not validated here."""
+    try:
         scheme = parms.scheme().name
         degree = int(parms.poly_modulus_degree())
         sizes = tuple(int(m.bit_count()) for m in parms.coeff_modulus())
-        scale = float(context.global_scale)
-    except Exception as exc:  # TenSEAL raises several types for unset fields
+    except Exception as exc:  # the binding raises several types for unset fields
         raise CkksError(f"the context does not describe a usable CKKS setup ({exc}).") from exc
     if scheme != "CKKS":
         raise CkksError(f"the context uses the {scheme} scheme; a CKKS context is required.")
-    scale_bits = round(math.log2(scale)) if scale > 0 else 0
-    if scale <= 0 or scale != 2.0**scale_bits:
-        raise CkksError(f"the context's global scale {scale} is not a power of two.")
-    return CkksParams(poly_modulus_degree=degree, coeff_mod_bit_sizes=sizes, scale_bits=scale_bits)
+    if len(meta) != _META.size:
+        raise CkksError(
+            f"the context bytes could not be parsed: META has {len(meta)} bytes, not {_META.size}."
+        )
+    scale_bits, special = _META.unpack(meta)
+    if special not in (0, 1):
+        raise CkksError(f"the context bytes could not be parsed: special_prime flag {special}.")
+    return CkksParams(
+        poly_modulus_degree=degree,
+        coeff_mod_bit_sizes=sizes,
+        scale_bits=scale_bits,
+        special_prime=bool(special),
+    )
+
+
+class _SealSetup:
+    """The SEAL contexts of one (validated) parameter set, and where fresh ciphertexts live.
+
+    ``enc`` is the context of the chain itself, checked by SEAL at 128-bit security: the public
+    key lives at its key level (the whole chain). ``seal`` is the context in which ciphertexts
+    are encoded, added, loaded and decrypted, and ``zero_level`` the parms_id of every fresh
+    ciphertext:
+
+    - with a special prime, ``seal`` is ``enc``: SEAL encrypts at the key level and divides
+      down to the data level (``enc``'s first level);
+    - without one, ciphertexts are made at ``enc``'s key level directly (no division, no extra
+      prime in the encryption). SEAL refuses to add or decrypt ciphertexts at a context's key
+      level, so ``seal`` is a second context whose chain is the data primes plus one spare
+      prime: its first level has exactly the data primes, hence the same parms_id as ``enc``'s
+      key level. The spare prime carries nothing: no public key, ciphertext or plaintext is
+      ever made under it (only the key holder's decryption key has a component modulo it),
+      which is why that context is built without SEAL's security check; the published public
+      key is under ``enc``, which SEAL checks.
+    """
+
+    def __init__(self, parms: Any, params: CkksParams) -> None:
+        self.params = params
+        self.parms = parms
+        self.enc = sealapi.SEALContext(parms, True, sealapi.SEC_LEVEL_TYPE.TC128)
+        if not self.enc.parameters_set():
+            raise CkksError(
+                f"SEAL refused the parameters {params}: {self.enc.parameters_error_message()}."
+            )
+        if params.special_prime:
+            self.seal = self.enc
+            self.zero_level = self.enc.first_parms_id()
+        else:
+            self.seal = self._evaluation_context()
+            self.zero_level = self.enc.key_parms_id()
+        self.public_key: Any = None
+
+    def _evaluation_context(self) -> Any:
+        moduli = list(self.parms.coeff_modulus())
+        degree = self.params.poly_modulus_degree
+        used = {int(m.value()) for m in moduli}
+        for bits in range(max(20, int(math.log2(2 * degree)) + 1), _MAX_PRIME_BITS + 1):
+            try:
+                spare = sealapi.CoeffModulus.Create(degree, [bits])[0]
+            except Exception:  # no prime of this size for this degree
+                continue
+            if int(spare.value()) in used:
+                continue
+            parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+            parms.set_poly_modulus_degree(degree)
+            parms.set_coeff_modulus([*moduli, spare])
+            context = sealapi.SEALContext(parms, True, sealapi.SEC_LEVEL_TYPE.NONE)
+            if context.parameters_set() and context.first_parms_id() == self.enc.key_parms_id():
+                return context
+        raise CkksError(f"no evaluation context for the data-only chain {self.params}.")
+
+    def data_secret_key(self, secret_key: Any) -> Any:
+        """``secret_key`` (at ``seal``'s key level: the data primes and the spare one) restricted
+        to the data primes, as a key of ``enc``: the same secret, so a public key made from it
+        encrypts to ``secret_key``. Built as SEAL's own uncompressed serialisation of the first
+        ``degree * data primes`` coefficients (NTT form, one block per prime) and loaded by SEAL,
+        which checks it; through an anonymous memfd, never a named file."""
+        degree, primes = self.params.poly_modulus_degree, self.params.data_primes
+        plain = secret_key.data()
+        count = degree * primes
+        words = np.fromiter((plain.data(i) for i in range(count)), dtype="<u8", count=count)
+        version = _seal_save(self.parms.save)[2:5]  # header size, SEAL major and minor version
+
+        def framed(members: bytes) -> bytes:  # SEALHeader: magic, sizes, no compression
+            return b"\x5e\xa1" + version + b"\x00\x00\x00" + struct.pack("<Q", 16 + len(members))
+
+        array = struct.pack("<Q", count) + words.tobytes()
+        plaintext = (
+            struct.pack("<4Q", *self.enc.key_parms_id())
+            + struct.pack("<Qd", count, 1.0)
+            + framed(array)
+            + array
+        )
+        key = sealapi.SecretKey()
+        _seal_load(lambda path: key.load(self.enc, path), framed(plaintext) + plaintext)
+        return key
+
+    def encryptor(self) -> Any:
+        """An encryptor under the public key (set ``public_key`` first)."""
+        return sealapi.Encryptor(self.enc, self.public_key)
 
 
 class _CkksCodec:
@@ -526,12 +743,16 @@ class _CkksCodec:
     Both formats are always accepted; ``wire`` picks what this codec writes.
     """
 
-    def __init__(self, context: ts.Context, params: CkksParams, *, wire: str | None) -> None:
-        self._context = context
+    def __init__(self, setup: _SealSetup, *, wire: str | None) -> None:
+        self._setup = setup
+        params = setup.params
         self._params = params
         self._scale = 2.0**params.scale_bits
-        self.seal = context.seal_context().data
+        self.seal = setup.seal
+        self._zero_level = setup.zero_level
         self._first_parms_id = self.seal.first_parms_id()
+        if list(self._first_parms_id) != list(self._zero_level):
+            raise CkksError("fresh ciphertexts would not be at the evaluation context's top level.")
         self._parms_id_bytes = struct.pack("<4Q", *self._first_parms_id)
         self.encoder = sealapi.CKKSEncoder(self.seal)
         self.evaluator = sealapi.Evaluator(self.seal)
@@ -562,8 +783,7 @@ class _CkksCodec:
     def _raw_access(self) -> _CoefficientAccess | None:
         """The checked accessor of coefficient buffers, or None where the check failed."""
         if self._access is None and self._template is None:
-            encryptor = sealapi.Encryptor(self.seal, self._context.public_key().data)
-            self._template = self.zero(encryptor)
+            self._template = self.zero(self._setup.encryptor())
             self._access = _CoefficientAccess.probe(
                 self._template, degree=self._params.poly_modulus_degree, primes=len(self._moduli)
             )
@@ -606,9 +826,20 @@ class _CkksCodec:
         return out[:count]
 
     def zero(self, encryptor: Any) -> Any:
-        """A fresh public-key encryption of zero at the top level and the context's scale."""
+        """A fresh public-key encryption of zero at the data level and the context's scale
+        (made there directly when the chain has no special prime: see :class:`_SealSetup`)."""
+        return self._fresh_zero(encryptor)
+
+    def encrypt(self, plain: Any, encryptor: Any) -> Any:
+        """A fresh encryption of ``plain``: what SEAL's own encrypt does (an encryption of zero
+        plus the plaintext), at the level :meth:`zero` uses."""
+        ct = self._fresh_zero(encryptor)
+        self.evaluator.add_plain_inplace(ct, plain)
+        return ct
+
+    def _fresh_zero(self, encryptor: Any) -> Any:
         ct = sealapi.Ciphertext(self.seal)
-        encryptor.encrypt_zero(ct)
+        encryptor.encrypt_zero(self._zero_level, ct)
         ct.scale = self._scale
         return ct
 
@@ -838,19 +1069,51 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-# SEAL's error distribution: a discrete Gaussian of standard deviation 3.2
-_SEAL_ERROR_STD = 3.2
+# SEAL's error distribution: by default (no SEAL_USE_GAUSSIAN_NOISE) a centered binomial of
+# variance 21/2, standard deviation 3.24 (SEAL's nominal Gaussian has 3.2)
+_SEAL_ERROR_STD = math.sqrt(21.0 / 2.0)
+
+
+#: Per-value probability that a decryption error exceeds :func:`error_bound`.
+ERROR_BOUND_TAIL = 2.0**-40
+
+
+def _tail_multiple(tail: float) -> float:
+    """The k with (1 + k) exp(-2k) = tail: the two-sided tail of a sum of two independent
+    Laplace variables of total standard deviation 1 (see :func:`error_bound`)."""
+    k = 1.0
+    for _ in range(200):  # a contraction: the derivative is 1 / (2 (1 + k)) < 1
+        k = 0.5 * math.log((1.0 + k) / tail)
+    return k
+
+
+_ERROR_BOUND_STDS = _tail_multiple(ERROR_BOUND_TAIL)  # about 15.3
+
+
+def _error_bound_units(degree: int, terms: int) -> float:
+    """:func:`error_bound` times the scale."""
+    std = degree * _SEAL_ERROR_STD * math.sqrt(2.0 / 3.0) * math.sqrt(max(int(terms), 1))
+    return _ERROR_BOUND_STDS * std
 
 
 def error_bound(params: CkksParams, *, terms: int = 1) -> float:
-    """A high-probability bound (6 standard deviations) on the absolute decryption error of one
-    value of a sum of `terms` fresh public-key encryptions: a fresh ciphertext's coefficient
-    error is about u*e + e' + s*e'' with ternary u, s, so its variance is about (4N/3) sigma^2;
-    a slot sums N coefficients, and the sum of `terms` ciphertexts adds their errors.
-    Measured: ~20x the largest error seen at the default parameters."""
-    n = params.poly_modulus_degree
-    slot_std = n * _SEAL_ERROR_STD * math.sqrt(4.0 / 3.0) / 2.0**params.scale_bits
-    return 6.0 * slot_std * math.sqrt(max(int(terms), 1))
+    """A bound on the absolute decryption error of one value of a sum of `terms` fresh
+    public-key encryptions made at the data level (no special prime), exceeded with probability
+    at most :data:`ERROR_BOUND_TAIL` per value; a special prime only makes the error smaller.
+
+    The error of the sum is ``e * U + s * E + E'`` with the public key's error ``e``, the
+    secret ``s``, ``U`` the sum of the ``terms`` ternary encryption masks and ``E``, ``E'``
+    sums of fresh Gaussian errors. In a slot (the polynomial evaluated at a root of unity) each
+    product is a product of two independent complex Gaussians, so the real and the imaginary
+    part (each carries one value) of each product are Laplace distributed; the two products
+    have equal variance, ``N**2 * sigma**2 * terms / 3`` each per part (``E'`` adds 1/N of
+    that), so a value's error has standard deviation ``N * sigma * sqrt(2 * terms / 3)``
+    divided by the scale and the tail ``(1 + k) * exp(-2k)`` beyond k of them. The bound is
+    ``k`` ~ 15.3 of them. Measured: the standard deviation is within 3% of that (a Gaussian
+    tail bound of 6 would be exceeded about once in 10^6 values); see
+    tests/crypto/test_ckks_noise.py.
+    """
+    return _error_bound_units(params.poly_modulus_degree, terms) / 2.0**params.scale_bits
 
 
 def csprng_normal(shape: tuple[int, ...]) -> np.ndarray:
@@ -904,24 +1167,39 @@ class CkksKeyHolder:
         if not isinstance(params, CkksParams):
             raise TypeError(f"params must be CkksParams, got {type(params).__name__}.")
         params.validate()
-        try:
-            context = ts.context(
-                ts.SCHEME_TYPE.CKKS,
-                poly_modulus_degree=params.poly_modulus_degree,
-                coeff_mod_bit_sizes=list(params.coeff_mod_bit_sizes),
-            )
-        except Exception as exc:  # e.g. SEAL finds no prime of a requested size
-            raise CkksError(f"SEAL refused the parameters {params}: {exc}.") from exc
-        context.global_scale = 2.0**params.scale_bits
-        self._context = context
-        self._codec = _CkksCodec(context, params, wire=None)
-        self._decryptor = sealapi.Decryptor(self._codec.seal, context.secret_key().data)
-        self._public_bytes = context.serialize(
-            save_public_key=True,
-            save_secret_key=False,
-            save_galois_keys=False,
-            save_relin_keys=False,
+        parms = _encryption_parameters(params)
+        setup = _SealSetup(parms, params)
+        public_key = sealapi.PublicKey()
+        if params.special_prime:
+            keygen = sealapi.KeyGenerator(setup.enc)
+            secret_key = keygen.secret_key()
+        else:
+            # the secret at seal's key level (it decrypts there), and the same secret at enc's
+            # key level, where the public key is made (see _SealSetup)
+            secret_key = sealapi.KeyGenerator(setup.seal).secret_key()
+            keygen = sealapi.KeyGenerator(setup.enc, setup.data_secret_key(secret_key))
+        keygen.create_public_key(public_key)
+        setup.public_key = public_key
+        self._codec = _CkksCodec(setup, wire=None)
+        self._decryptor = sealapi.Decryptor(setup.seal, secret_key)
+        self._public_bytes = _pack_public(
+            [
+                (_TAG_META, _META.pack(params.scale_bits, int(params.special_prime))),
+                (_TAG_PARMS, _seal_save(parms.save)),
+                (_TAG_PUBLIC_KEY, _seal_save(public_key.save)),
+            ]
         )
+        self._check_key_pair()
+
+    def _check_key_pair(self) -> None:
+        # the exported public key must encrypt to the kept secret key: a test value round trip
+        probe = np.arange(8, dtype=np.float64)
+        ct = self._codec.encrypt(self._codec.encode(probe), self._codec._setup.encryptor())
+        plain = sealapi.Plaintext()
+        self._decryptor.decrypt(ct, plain)
+        error = float(np.max(np.abs(self._codec.decode(plain, probe.size) - probe)))
+        if not error < 1e3 * error_bound(self.params):
+            raise CkksError(f"the new key pair does not decrypt its own encryption ({error:g}).")
 
     @property
     def params(self) -> CkksParams:
@@ -986,7 +1264,8 @@ class CkksPublic:
     """Parties' and aggregator's side: only the public context; can encrypt and add.
 
     Refuses, with :class:`CkksError`, a context that carries a secret key, lacks a public
-    key, is not CKKS, or has parameters below 128-bit security. Cannot decrypt.
+    key, is not CKKS, is malformed or truncated (including a TenSEAL context, the format of
+    earlier versions), or has parameters below 128-bit security. Cannot decrypt.
     """
 
     def __init__(self, *, context_bytes: bytes, wire: str | None = None) -> None:
@@ -1002,25 +1281,43 @@ class CkksPublic:
                 "CkksKeyHolder.public_context_bytes() returned."
             )
         context_bytes = bytes(context_bytes)
-        try:
-            context = ts.context_from(context_bytes)
-        except Exception as exc:
-            raise CkksError(f"the context bytes could not be parsed: {exc}.") from exc
-        if context.has_secret_key():
+        sections = _unpack_public(context_bytes)
+        if _TAG_SECRET_KEY in sections:
             raise CkksError(
                 "this context carries a secret key; the key holder must export only the "
-                "public part."
+                "public part (CkksKeyHolder.public_context_bytes())."
             )
-        if not context.has_public_key():
+        unknown = sorted(set(sections) - {_TAG_META, _TAG_PARMS, _TAG_PUBLIC_KEY})
+        if unknown:
+            raise CkksError(
+                f"the context bytes could not be parsed: unknown sections {unknown}; a public "
+                "context carries only parameters and a public key."
+            )
+        if _TAG_PARMS not in sections or _TAG_META not in sections:
+            raise CkksError("the context bytes could not be parsed: no encryption parameters.")
+        if _TAG_PUBLIC_KEY not in sections:
             raise CkksError("this context has no public key, so nothing can be encrypted.")
-        params = _params_of(context)
+        parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+        try:
+            _seal_load(parms.load, sections[_TAG_PARMS])
+        except Exception as exc:  # SEAL raises several types for bad headers and sizes
+            raise CkksError(f"the context bytes could not be parsed: {exc}.") from exc
+        params = _params_from(parms, sections[_TAG_META])
         try:
             params.validate()
         except ValueError as exc:
             raise CkksError(f"the received context is refused: {exc}") from exc
-        self._context = context
-        self._codec = _CkksCodec(context, params, wire=wire)
-        self._encryptor = sealapi.Encryptor(self._codec.seal, context.public_key().data)
+        setup = _SealSetup(parms, params)
+        public_key = sealapi.PublicKey()
+        try:
+            _seal_load(lambda path: public_key.load(setup.enc, path), sections[_TAG_PUBLIC_KEY])
+        except Exception as exc:  # SEAL checks the key's parms_id and every coefficient
+            raise CkksError(
+                f"the context's public key could not be parsed for its parameters: {exc}."
+            ) from exc
+        setup.public_key = public_key
+        self._codec = _CkksCodec(setup, wire=wire)
+        self._encryptor = setup.encryptor()
         self._fingerprint = context_fingerprint(context_bytes)
         # encryptions of zero (any chunk can use any of them), each to be used once
         self._zeros: list[Any] = []
@@ -1143,8 +1440,7 @@ class CkksPublic:
                 if ct is not None:
                     self._codec.evaluator.add_plain_inplace(ct, plain)
                 else:
-                    ct = sealapi.Ciphertext(self._codec.seal)
-                    self._encryptor.encrypt(plain, ct)
+                    ct = self._codec.encrypt(plain, self._encryptor)
             except (ValueError, RuntimeError) as exc:  # "encoded values are too large"
                 raise CkksError(f"cannot encrypt values starting at index {start}: {exc}.") from exc
             chunks.append(self._codec.dump(ct, values.size))

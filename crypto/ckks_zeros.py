@@ -1,10 +1,11 @@
 """Encryptions of zero made by a helper process at the lowest CPU priority.
 
 A CKKS contribution is an encryption of zero plus the encoded values (see ``crypto.ckks``). The
-public-key encryption of zero is most of a party's CKKS work (about 1 ms of CPU per 4096
-values at the Credit defaults) and SEAL holds the GIL while it runs, so a thread of the party
-cannot make it without taking the GIL from the party's own work, and at the same CPU priority it
-competes with the federation's critical path (the aggregator and the key holder) for the cores.
+public-key encryption of zero is most of a party's CKKS work (about 0.6 ms of CPU per 4096
+values at the Credit defaults, 0.9 ms when the chain had a special prime) and SEAL holds the
+GIL while it runs, so a thread of the party cannot make it without taking the GIL from the
+party's own work, and at the same CPU priority it competes with the federation's critical path
+(the aggregator and the key holder) for the cores.
 
 :class:`ZeroSource` starts a child Python process that loads only the public context and writes
 fresh encryptions of zero, in the ``raw`` chunk format, into a pipe whose other end only the

@@ -80,6 +80,9 @@ class CkksConfig:
     poly_modulus_degree: int | None = None
     coeff_mod_bit_sizes: tuple[int, ...] | None = None
     scale_bits: int | None = None
+    # with fixed parameters: whether the chain's last prime is SEAL's special prime (default,
+    # SEAL's layout) or every prime holds data (sums never key-switch; sized chains have none)
+    special_prime: bool = True
     # decrypted sums are flooded (2^flood_bits x the error bound) and rounded (2^-precision_bits)
     precision_bits: int = 12
     flood_bits: int = 10
@@ -899,7 +902,7 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
 
 def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
     manual = ("poly_modulus_degree", "coeff_mod_bit_sizes", "scale_bits")
-    known = {*manual, "precision_bits", "flood_bits", "security_bits", "magnitude"}
+    known = {*manual, "special_prime", "precision_bits", "flood_bits", "security_bits", "magnitude"}
     for k in raw:
         if k not in known:
             raise ConfigError(f"[secure] ckks.{k}", f"unknown key; known keys are {sorted(known)}")
@@ -922,6 +925,15 @@ def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
             raise ConfigError("[secure] ckks.coeff_mod_bit_sizes", f"must be a list, got {bits!r}")
         bits_t = tuple(_integer(b, "[secure] ckks.coeff_mod_bit_sizes", minimum=17) for b in bits)
         scale = _integer(raw["scale_bits"], "[secure] ckks.scale_bits", minimum=10)
+    special = raw.get("special_prime", True)
+    if "special_prime" in raw and not given:
+        raise ConfigError(
+            "[secure] ckks.special_prime",
+            f"only applies to fixed parameters; add {list(manual)} or remove it (sized "
+            "parameters never have a special prime)",
+        )
+    if not isinstance(special, bool):
+        raise ConfigError("[secure] ckks.special_prime", f"must be true or false, got {special!r}")
     precision = _integer(
         raw.get("precision_bits", default.precision_bits),
         "[secure] ckks.precision_bits",
@@ -947,6 +959,7 @@ def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
         poly_modulus_degree=degree,
         coeff_mod_bit_sizes=bits_t,
         scale_bits=scale,
+        special_prime=special,
         precision_bits=precision,
         flood_bits=flood,
         security_bits=security,

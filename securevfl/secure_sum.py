@@ -576,6 +576,7 @@ def ckks_params(cfg: Any) -> Any:
             poly_modulus_degree=c.poly_modulus_degree,
             coeff_mod_bit_sizes=tuple(c.coeff_mod_bit_sizes),
             scale_bits=c.scale_bits,
+            special_prime=c.special_prime,
         )
         try:
             params.validate()

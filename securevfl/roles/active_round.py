@@ -112,9 +112,10 @@ class ActiveRound:
             params = ckks_params(cfg)
             self.key_holder = CkksKeyHolder(params=params)
             logger.info(
-                "ckks: degree %d, chain %s, scale 2^%d (%d-bit security), context %s",
+                "ckks: degree %d, chain %s (%s), scale 2^%d (%d-bit security), context %s",
                 params.poly_modulus_degree,
                 list(params.coeff_mod_bit_sizes),
+                "last prime special" if params.special_prime else "data primes only",
                 params.scale_bits,
                 security_level(params),
                 self.key_holder.context_fingerprint,

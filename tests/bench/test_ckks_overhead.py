@@ -35,9 +35,9 @@ def test_split_cpu_refuses_mismatched_runs() -> None:
 @pytest.mark.parametrize("zeros", ["thread", "fresh"])
 def test_per_batch_stages_measures_the_real_stages_and_reveals_the_sum(zeros: str) -> None:
     out = C.per_batch_stages(parties=2, values=512, rounds=2, zeros=zeros)
-    # the parameters a run of 2 parties sizes from the default bound (2^20), 128-bit
+    # the parameters a run of 2 parties sizes from the default bound (2^20), at least 128-bit
     sized = C.choose_params(precision_bits=12, magnitude=2.0**20, terms=3)
-    assert out["params"] == list(sized.params.coeff_mod_bit_sizes) and sized.security_bits == 128
+    assert out["params"] == list(sized.params.coeff_mod_bit_sizes) and sized.security_bits >= 128
     assert out["zeros"] == zeros
     assert set(out["ms"]) == {
         "party: protect (main thread)",

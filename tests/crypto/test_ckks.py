@@ -11,10 +11,16 @@ import re
 import numpy as np
 import pytest
 import tenseal as ts
+import tenseal.sealapi as sealapi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crypto.ckks import (
+    _META,
+    _TAG_META,
+    _TAG_PARMS,
+    _TAG_PUBLIC_KEY,
+    _TAG_SECRET_KEY,
     DEFAULT_CKKS_PARAMS,
     MAX_COEFF_MODULUS_BITS_128,
     CkksError,
@@ -22,6 +28,10 @@ from crypto.ckks import (
     CkksParams,
     CkksPublic,
     PackedCiphertexts,
+    _pack_public,
+    _seal_load,
+    _seal_save,
+    _unpack_public,
     context_fingerprint,
 )
 
@@ -78,14 +88,38 @@ def secure_sum(
 # --- the public side cannot decrypt -------------------------------------------------------
 
 
+def _sections(key_holder: CkksKeyHolder) -> dict[bytes, bytes]:
+    return _unpack_public(key_holder.public_context_bytes())
+
+
+def _blob(sections: dict[bytes, bytes]) -> bytes:
+    return _pack_public(list(sections.items()))
+
+
+def _keys(parms: object, *, sec: object = sealapi.SEC_LEVEL_TYPE.TC128) -> tuple[object, ...]:
+    """A SEAL context for `parms` and a fresh key pair under it (what an attacker can build)."""
+    context = sealapi.SEALContext(parms, True, sec)
+    keygen = sealapi.KeyGenerator(context)
+    public = sealapi.PublicKey()
+    keygen.create_public_key(public)
+    return context, keygen.secret_key(), public
+
+
 def test_public_context_has_no_secret_galois_or_relin_keys(key_holder: CkksKeyHolder) -> None:
-    context = ts.context_from(key_holder.public_context_bytes())
-    assert not context.has_secret_key()
-    assert not context.is_private()
-    assert context.is_public()
-    assert context.has_public_key()
-    assert not context.has_galois_keys()
-    assert not context.has_relin_keys()
+    sections = _sections(key_holder)
+    assert set(sections) == {_TAG_META, _TAG_PARMS, _TAG_PUBLIC_KEY}  # nothing else travels
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+    _seal_load(parms.load, sections[_TAG_PARMS])
+    context = sealapi.SEALContext(parms, True, sealapi.SEC_LEVEL_TYPE.TC128)
+    public = sealapi.PublicKey()
+    _seal_load(lambda path: public.load(context, path), sections[_TAG_PUBLIC_KEY])
+    assert public.parms_id() == context.key_parms_id()
+    # no section is something SEAL loads as a secret, relinearisation or Galois key
+    for data in sections.values():
+        for kind in (sealapi.SecretKey, sealapi.RelinKeys, sealapi.GaloisKeys):
+            key = kind()
+            with pytest.raises(Exception):  # noqa: B017 - SEAL raises several types
+                _seal_load(lambda path, key=key: key.load(context, path), data)
 
 
 def test_public_context_size_excludes_galois_keys(key_holder: CkksKeyHolder) -> None:
@@ -96,39 +130,130 @@ def test_public_context_size_excludes_galois_keys(key_holder: CkksKeyHolder) -> 
 def test_public_context_cannot_decrypt_a_ciphertext(
     key_holder: CkksKeyHolder, aggregator: CkksPublic, one_chunk: bytes
 ) -> None:
-    public_context = ts.context_from(key_holder.public_context_bytes())
     assert aggregator.packed_from_frames([one_chunk]).length == aggregator.slots  # it parses...
-    with pytest.raises(ValueError, match="Secret key"):
-        public_context.secret_key()  # ...but the public side has no key to decrypt it with
+    # ...but nothing the public side holds is a secret key to decrypt it with
+    held = [aggregator, aggregator._codec, aggregator._codec._setup]
+    values = [v for obj in held for v in vars(obj).values()]
+    assert not any(isinstance(v, sealapi.SecretKey | sealapi.Decryptor) for v in values)
+    assert any(isinstance(v, sealapi.PublicKey) for v in values)
 
 
 def test_public_side_offers_no_decryption() -> None:
     assert not any("decrypt" in name for name in dir(CkksPublic))
 
 
-def test_public_refuses_context_with_secret_key() -> None:
+def test_public_refuses_context_with_secret_key(key_holder: CkksKeyHolder) -> None:
+    # the key holder's own public part, plus a secret key under the same parameters
+    sections = _sections(key_holder)
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+    _seal_load(parms.load, sections[_TAG_PARMS])
+    _, secret, _ = _keys(parms)
+    sections[_TAG_SECRET_KEY] = _seal_save(secret.save)
+    with pytest.raises(CkksError, match="carries a secret key"):
+        CkksPublic(context_bytes=_blob(sections))
+
+
+def test_public_refuses_a_tenseal_context_with_secret_key() -> None:
+    # the format of earlier versions: refused as a whole, secret key or not
     context = ts.context(
         ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
     )
     context.global_scale = 2.0**40
-    full = context.serialize(save_secret_key=True)
-    with pytest.raises(CkksError, match="carries a secret key"):
-        CkksPublic(context_bytes=full)
+    with pytest.raises(CkksError, match="not a securevfl CKKS public context"):
+        CkksPublic(context_bytes=context.serialize(save_secret_key=True))
 
 
-def test_public_refuses_context_with_weak_scale() -> None:
-    context = ts.context(
-        ts.SCHEME_TYPE.CKKS, poly_modulus_degree=8192, coeff_mod_bit_sizes=[60, 40, 40, 60]
-    )
-    context.global_scale = 2.0**10
+def test_public_refuses_context_with_weak_scale(key_holder: CkksKeyHolder) -> None:
+    sections = _sections(key_holder)
+    sections[_TAG_META] = _META.pack(10, 1)
     with pytest.raises(CkksError, match="scale_bits"):
-        CkksPublic(context_bytes=context.serialize(save_secret_key=False))
+        CkksPublic(context_bytes=_blob(sections))
+
+
+def test_public_refuses_parameters_below_128_bit_security() -> None:
+    # 4 x 40 bits at degree 4096 (128-bit security allows 109): keys made without SEAL's check
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(4096)
+    parms.set_coeff_modulus(sealapi.CoeffModulus.Create(4096, [40, 40, 40, 40]))
+    _, _, public = _keys(parms, sec=sealapi.SEC_LEVEL_TYPE.NONE)
+    blob = _blob(
+        {
+            _TAG_META: _META.pack(40, 1),
+            _TAG_PARMS: _seal_save(parms.save),
+            _TAG_PUBLIC_KEY: _seal_save(public.save),
+        }
+    )
+    with pytest.raises(CkksError, match="exceeds 109"):
+        CkksPublic(context_bytes=blob)
 
 
 def test_public_refuses_bfv_context() -> None:
-    context = ts.context(ts.SCHEME_TYPE.BFV, poly_modulus_degree=4096, plain_modulus=1032193)
-    with pytest.raises(CkksError, match="CKKS"):
-        CkksPublic(context_bytes=context.serialize(save_secret_key=False))
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.BFV)
+    parms.set_poly_modulus_degree(4096)
+    parms.set_coeff_modulus(sealapi.CoeffModulus.BFVDefault(4096, sealapi.SEC_LEVEL_TYPE.TC128))
+    parms.set_plain_modulus(sealapi.PlainModulus.Batching(4096, 20))
+    _, _, public = _keys(parms)
+    blob = _blob(
+        {
+            _TAG_META: _META.pack(40, 1),
+            _TAG_PARMS: _seal_save(parms.save),
+            _TAG_PUBLIC_KEY: _seal_save(public.save),
+        }
+    )
+    with pytest.raises(CkksError, match="BFV scheme; a CKKS context is required"):
+        CkksPublic(context_bytes=blob)
+
+
+def test_public_refuses_context_without_public_key(key_holder: CkksKeyHolder) -> None:
+    sections = _sections(key_holder)
+    del sections[_TAG_PUBLIC_KEY]
+    with pytest.raises(CkksError, match="no public key"):
+        CkksPublic(context_bytes=_blob(sections))
+
+
+def test_public_refuses_a_public_key_of_other_parameters(key_holder: CkksKeyHolder) -> None:
+    sections = _sections(key_holder)
+    other = _sections(CkksKeyHolder(params=CkksParams(4096, (34, 34), 41, special_prime=False)))
+    sections[_TAG_PUBLIC_KEY] = other[_TAG_PUBLIC_KEY]
+    with pytest.raises(CkksError, match="public key could not be parsed"):
+        CkksPublic(context_bytes=_blob(sections))
+
+
+@pytest.mark.parametrize(
+    ("edit", "detail"),
+    [
+        (lambda s: {**s, b"GKEY": b"x"}, "unknown sections"),
+        (lambda s: {**s, _TAG_META: b"\x28"}, "META has 1 bytes"),
+        (lambda s: {**s, _TAG_META: _META.pack(40, 7)}, "special_prime flag 7"),
+        (lambda s: {k: v for k, v in s.items() if k != _TAG_PARMS}, "no encryption parameters"),
+        (lambda s: {**s, _TAG_PARMS: s[_TAG_PARMS][:-3]}, "could not be parsed"),
+    ],
+)
+def test_public_refuses_malformed_sections(key_holder: CkksKeyHolder, edit, detail: str) -> None:
+    with pytest.raises(CkksError, match=detail):
+        CkksPublic(context_bytes=_blob(edit(_sections(key_holder))))
+
+
+def test_public_refuses_a_repeated_section(key_holder: CkksKeyHolder) -> None:
+    blob = key_holder.public_context_bytes()
+    meta = _sections(key_holder)[_TAG_META]
+    with pytest.raises(CkksError, match="repeats"):
+        CkksPublic(context_bytes=blob + _pack_public([(_TAG_META, meta)])[8:])
+
+
+def test_a_flipped_special_prime_flag_is_caught_by_fingerprint_and_key_holder(
+    key_holder: CkksKeyHolder,
+) -> None:
+    # (60, 40, 40, 60) read as four data primes is a valid setup under the same public key, so
+    # the public side accepts it; but its fingerprint differs (the federation authenticates
+    # the context end to end) and the key holder refuses what it encrypts (another level)
+    sections = _sections(key_holder)
+    sections[_TAG_META] = _META.pack(40, 0)
+    flipped = CkksPublic(context_bytes=_blob(sections))
+    assert flipped.params.special_prime is False
+    assert flipped.context_fingerprint != key_holder.context_fingerprint
+    with pytest.raises(CkksError, match="ciphertext of these parameters|other parameters"):
+        key_holder.decrypt_sum(flipped.encrypt(np.ones(3)), shape=(3,))
 
 
 @pytest.mark.parametrize("data", [b"", b"garbage" * 10, "text"])

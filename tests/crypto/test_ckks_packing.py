@@ -38,7 +38,7 @@ def keys() -> tuple[CkksKeyHolder, CkksPublic]:
 
 def test_one_ciphertext_carries_as_many_values_as_the_degree(keys) -> None:
     holder, public = keys
-    assert CREDIT_1024 == CkksParams(4096, (56, 20), 40)
+    assert CREDIT_1024 == CkksParams(4096, (57,), 41, special_prime=False)
     n = CREDIT_1024.poly_modulus_degree
     assert public.slots == n  # N/2 complex slots, a real value in each part
     rng = np.random.default_rng(0)
@@ -57,8 +57,8 @@ def test_a_chunk_is_a_value_count_then_a_compressed_seal_ciphertext(keys) -> Non
     assert chunk[4:6] == b"\x5e\xa1"  # SEAL's serialisation magic 0xA15E, little-endian
     assert chunk[9] == 2  # SEAL's compression mode: zstd
     full = public.encrypt(np.zeros(public.slots)).chunks[0]
-    # 2 polynomials x 4096 coefficients of one 56-bit prime in 64-bit words: 64 KiB raw;
-    # compressed to about 56 + 4 bits a word, i.e. under 4 float32s' bytes per value
+    # 2 polynomials x 4096 coefficients of one 57-bit prime in 64-bit words: 64 KiB raw;
+    # compressed to about 57 + 4 bits a word, i.e. under 4 float32s' bytes per value
     assert len(full) < 4 * 4 * public.slots  # < 16 bytes per value, 4x a float32
 
 
@@ -100,17 +100,17 @@ def default_keys() -> tuple[CkksKeyHolder, CkksPublic]:
 
 def _raw_layout(params: CkksParams) -> tuple[list[int], int]:
     """Bytes per coefficient of each data prime, and the raw chunk's total size."""
-    widths = [(b + 7) // 8 for b in params.coeff_mod_bit_sizes[:-1]]
+    widths = [(b + 7) // 8 for b in params.data_bit_sizes]
     return widths, 4 + 4 + 32 + 2 * params.poly_modulus_degree * sum(widths)
 
 
 def test_raw_is_the_default_and_its_layout(default_keys) -> None:
     _, public = default_keys
-    assert CREDIT_DEFAULT == CkksParams(4096, (34, 33, 20), 40)
+    assert CREDIT_DEFAULT == CkksParams(4096, (34, 34), 41, special_prime=False)
     assert public.wire_format == "raw"
     chunk = public.encrypt(np.arange(5.0)).chunks[0]
     widths, size = _raw_layout(CREDIT_DEFAULT)
-    assert widths == [5, 5]  # 34 and 33 bits in 5 bytes each
+    assert widths == [5, 5]  # 34 bits in 5 bytes each
     assert struct.unpack_from("<I", chunk)[0] == 5
     assert chunk[4:8] == b"CKR1"
     assert len(chunk) == size == 81_960  # 20 bytes per value: as small as SEAL's zstd output

@@ -18,7 +18,7 @@ import pytest
 from crypto.ckks import CkksError, CkksKeyHolder, CkksPublic, choose_params
 from crypto.ckks_zeros import ZERO_NICE, ZeroSource
 
-PARAMS = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params  # (34, 33, 20)
+PARAMS = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params  # (34, 34)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def holder() -> CkksKeyHolder:
 def _c1(chunk: bytes) -> bytes:
     """A raw chunk's second polynomial: the encryption of zero's own (names the zero used)."""
     n = PARAMS.poly_modulus_degree
-    widths = [(b + 7) // 8 for b in PARAMS.coeff_mod_bit_sizes[:-1]]
+    widths = [(b + 7) // 8 for b in PARAMS.data_bit_sizes]
     offset, parts = 4 + 4 + 32, []
     for w in widths:
         parts.append(chunk[offset + n * w : offset + 2 * n * w])

@@ -11,7 +11,7 @@ import pytest
 
 from crypto.ckks import CkksKeyHolder, CkksPublic, choose_params
 
-PARAMS = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params  # (34, 33, 20)
+PARAMS = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params  # (34, 34)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def keys() -> tuple[CkksKeyHolder, CkksPublic]:
 def _c1(chunk: bytes) -> bytes:
     """The second polynomial of a raw chunk, every prime's part."""
     n = PARAMS.poly_modulus_degree
-    widths = [(b + 7) // 8 for b in PARAMS.coeff_mod_bit_sizes[:-1]]
+    widths = [(b + 7) // 8 for b in PARAMS.data_bit_sizes]
     offset, parts = 4 + 4 + 32, []
     for w in widths:
         block = chunk[offset : offset + 2 * n * w]

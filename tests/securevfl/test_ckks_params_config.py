@@ -39,8 +39,10 @@ def test_default_parameters_are_sized_to_the_bound_precision_and_parties():
     assert 2.0**c.ckks.flood_bits * error_bound(params, terms=terms) <= 2.0**-c.ckks.precision_bits
     assert sizing.magnitude_bits >= 12  # sums of 4 values up to 2^10 fit
     assert security_level(params) >= 128
-    # one data prime at degree 4096: a third of the bytes of the old fixed 8192/(60,40,40,60)
-    assert params.poly_modulus_degree == 4096 and len(params.coeff_mod_bit_sizes) == 2
+    # one data prime at degree 4096 and no special prime (sums never key-switch): a third of
+    # the bytes of the old fixed 8192/(60,40,40,60)
+    assert params.poly_modulus_degree == 4096 and len(params.coeff_mod_bit_sizes) == 1
+    assert not params.special_prime and params.data_primes == 1
 
 
 def test_a_larger_bound_or_security_level_buys_a_longer_chain_or_degree():
@@ -58,6 +60,34 @@ def test_fixed_parameters_are_used_as_given():
     params = ckks_params(cfg(ckks=fixed))
     assert params.poly_modulus_degree == 8192
     assert tuple(params.coeff_mod_bit_sizes) == (60, 40, 40, 60) and params.scale_bits == 40
+    assert params.special_prime  # a fixed chain keeps SEAL's layout unless it says otherwise
+
+
+def test_a_fixed_chain_can_declare_that_it_has_no_special_prime():
+    sized = ckks_params(cfg(bound=2.0**20))  # what a sized run picks: two data primes, no special
+    fixed = {
+        "poly_modulus_degree": sized.poly_modulus_degree,
+        "coeff_mod_bit_sizes": list(sized.coeff_mod_bit_sizes),
+        "scale_bits": sized.scale_bits,
+    }
+    data_only = ckks_params(cfg(ckks={**fixed, "special_prime": False}))
+    assert data_only == sized and data_only.data_bit_sizes == sized.coeff_mod_bit_sizes
+    # the same chain in SEAL's layout keeps one data prime: too small for that scale
+    with pytest.raises(ConfigError, match="no room"):
+        cfg(ckks=fixed)
+    with_special = ckks_params(cfg(ckks={**fixed, "scale_bits": 30}))
+    assert with_special.special_prime
+    assert with_special.data_bit_sizes == sized.coeff_mod_bit_sizes[:1]
+
+
+def test_the_special_prime_flag_is_refused_without_a_fixed_chain_or_when_not_a_bool():
+    with pytest.raises(ConfigError, match="only applies to fixed parameters"):
+        cfg(ckks={"special_prime": False})
+    fixed = {"poly_modulus_degree": 4096, "coeff_mod_bit_sizes": [57], "scale_bits": 41}
+    with pytest.raises(ConfigError, match="true or false"):
+        cfg(ckks={**fixed, "special_prime": "no"})
+    with pytest.raises(ConfigError, match="at least two primes"):
+        cfg(ckks=fixed)  # one prime and SEAL's layout: no data prime would be left
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ def _c1(public, chunk: bytes) -> bytes:
     """The second polynomial of a raw chunk (every prime's part): the encryption of zero's own,
     untouched by the plaintext added to it, so it names the zero a chunk used."""
     n = public.params.poly_modulus_degree
-    widths = [(b + 7) // 8 for b in public.params.coeff_mod_bit_sizes[:-1]]
+    widths = [(b + 7) // 8 for b in public.params.data_bit_sizes]
     offset, parts = 4 + 4 + 32, []
     for w in widths:
         parts.append(chunk[offset + n * w : offset + 2 * n * w])
