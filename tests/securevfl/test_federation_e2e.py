@@ -132,6 +132,16 @@ def test_killed_party_stops_everyone_then_resume_finishes(small_federation):
 
 
 def test_party_with_unknown_key_is_refused_and_logged(small_federation):
+    """The refusal must happen inside the aggregator's 4 s start-up window. Started side by
+    side, the party (which reads its data first) reached the aggregator 3.8 s into that window
+    even at light load and after it closed under load (4 of 6 runs at load 9): so the party
+    starts first with a long start-up timeout of its own, retries its connection (at most
+    ~2.1 s apart: ZeroMQ's reconnect interval is capped at 2 s plus jitter) and the aggregator
+    starts only once the party says it is connecting."""
+    import time
+
+    from securevfl.launcher import free_port
+
     raw, d = small_federation
     raw["network"].update({"startup_timeout": 4.0})
     config = write_toml(raw, d / "config.toml")
@@ -144,30 +154,14 @@ def test_party_with_unknown_key_is_refused_and_logged(small_federation):
     rogue_public = json.loads((rogue / "public.json").read_text())
     rogue_public["roles"]["aggregator"] = public["roles"]["aggregator"]
     (rogue / "public.json").write_text(json.dumps(rogue_public))
-    port = 20000 + os.getpid() % 20000
-    address = f"tcp://127.0.0.1:{port}"
+    # a port the kernel just handed out to bind(): odd, and Linux picks even local ports for
+    # the party's connect(), so its retries cannot take the port before the aggregator binds
+    address = f"tcp://127.0.0.1:{free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    agg = subprocess.Popen(
+    role = [sys.executable, "-m", "securevfl"]
+    party = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "securevfl",
-            "aggregator",
-            "--config",
-            str(config),
-            "--out",
-            str(d / "agg"),
-            "--keys",
-            str(keys),
-            "--bind",
-            address,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        party = securevfl_cli(
+            *role,
             "party",
             "--config",
             str(config),
@@ -181,14 +175,38 @@ def test_party_with_unknown_key_is_refused_and_logged(small_federation):
             address,
             "--data",
             str(d / "data.csv"),
-            timeout=60,
+            "--set",
+            "network.startup_timeout=60.0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    agg = None
+    try:
+        party_log = d / "alpha" / "logs" / "alpha.log"
+        until = time.monotonic() + 120
+        while not (party_log.exists() and "connecting to the aggregator" in party_log.read_text()):
+            assert party.poll() is None, party.communicate()
+            assert time.monotonic() < until, "the party never started connecting"
+            time.sleep(0.05)
+        agg = subprocess.Popen(
+            [*role, "aggregator", "--config", str(config), "--out", str(d / "agg")]
+            + ["--keys", str(keys), "--bind", address],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
+        party_err = party.communicate(timeout=60)[1]
         agg_err = agg.communicate(timeout=60)[1]
     finally:
-        if agg.poll() is None:
-            agg.kill()
+        for proc in (party, agg):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert party.returncode != 0
-    assert "refused the CURVE key of 'alpha'" in party.stderr
+    assert "refused the CURVE key of 'alpha'" in party_err
     log = (d / "agg" / "logs" / "aggregator.log").read_text()
     assert "not in the federation allowlist" in log
     assert agg.returncode != 0 and "did not connect" in agg_err
