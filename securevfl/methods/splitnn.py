@@ -201,10 +201,6 @@ class SplitNNParty(PartyMethod):
 class SplitNNActive(ActiveMethod):
     """The head g (and the active party's own encoder if it holds columns)."""
 
-    #: plain training takes the head's optimiser step while the next batch's sum is computed
-    #: (see `_while_waiting`); False steps before the gradients are returned (the same run)
-    defers_head_step = True
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         cfg = self.config
@@ -232,8 +228,6 @@ class SplitNNActive(ActiveMethod):
         self.optimizer = make_optimizer(self.fusion.parameters(), cfg)
         self.scaler = Standardizer()
         self.training = None
-        self._deferred_step: int | None = None  # the epoch of a head step not yet taken
-        self._labels: tuple[np.ndarray, Any] | None = None  # the next batch's, read early
 
     def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
         return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
@@ -253,11 +247,10 @@ class SplitNNActive(ActiveMethod):
         depth = self.config.pipeline_depth
         if depth == 0:  # one at a time: exactly the unpipelined protocol
             for ids in batches:
-                ticket = ctx.post(
+                total = ctx.call(
                     "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
-                )
-                self._while_waiting(ids)
-                yield ids, ctx.wait(ticket)["S"], ticket.round
+                )["S"]
+                yield ids, total, ctx.round
             return
         window: deque[tuple[np.ndarray, Any]] = deque()
         rows = iter(batches)
@@ -270,24 +263,7 @@ class SplitNNActive(ActiveMethod):
             if not window:
                 return
             ids, ticket = window.popleft()
-            self._while_waiting(ids)
             yield ids, ctx.wait(ticket)["S"], ticket.round
-
-    def _while_waiting(self, ids: np.ndarray) -> None:
-        """What the head can do while the parties compute the sum of batch `ids`: the head's
-        step of the batch before (deferred by `fit`; the parties' update for it already rode
-        ahead of this forward) and the labels of `ids`. The step still comes before the head's
-        next forward, so the run is the same bit for bit, with the step off the round trip."""
-        if self._deferred_step is not None:
-            epoch, self._deferred_step = self._deferred_step, None
-            self.training.step(epoch=epoch)
-        self._labels = (ids, torch.as_tensor(self.table.label_rows(ids), device=self.device))
-
-    def _labels_of(self, ids: np.ndarray) -> Any:
-        held, self._labels = self._labels, None
-        if held is not None and held[0] is ids:
-            return held[1]
-        return torch.as_tensor(self.table.label_rows(ids), device=self.device)
 
     def _head(self, ids: np.ndarray, total: np.ndarray, *, train: bool) -> tuple[Any, Any]:
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
@@ -323,25 +299,19 @@ class SplitNNActive(ActiveMethod):
             order = table_batches(self.table, train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch)
             for ids, total, forward in self._training_sums(ctx, order):
                 s, out = self._head(ids, total, train=True)
-                loss = task_loss(cfg.task, out, self._labels_of(ids))
+                y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
+                loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
                 loss.backward()
-                # with DP-SGD the head steps first: a budget that runs out stops before any
-                # release; plain, its step waits for the next forward to be on its way
-                defer = self.defers_head_step and not self.training.private
-                if not defer:
-                    self.training.step(epoch=epoch)
+                # the head steps first: a DP-SGD budget that runs out stops before any release
+                self.training.step(epoch=epoch)
                 ctx.return_gradients(
                     {tuple(ctx.parties): {"grad": s.grad.cpu().numpy()}},
                     ids=ids,
                     epoch=epoch,
                     args={"forward": forward},
                 )
-                if defer:
-                    self._deferred_step = epoch
                 total_loss += float(loss.detach()) * len(ids)
-            self._while_waiting(np.empty(0, dtype=np.int64))  # the epoch's last step
-            self._labels = None
             elapsed = time.perf_counter() - started
             ctx.epoch_done(
                 epoch,
