@@ -170,19 +170,25 @@ def test_public_refuses_context_with_weak_scale(key_holder: CkksKeyHolder) -> No
         CkksPublic(context_bytes=_blob(sections))
 
 
-def test_public_refuses_parameters_below_128_bit_security() -> None:
-    # 4 x 40 bits at degree 4096 (128-bit security allows 109): keys made without SEAL's check
-    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
-    parms.set_poly_modulus_degree(4096)
-    parms.set_coeff_modulus(sealapi.CoeffModulus.Create(4096, [40, 40, 40, 40]))
-    _, _, public = _keys(parms, sec=sealapi.SEC_LEVEL_TYPE.NONE)
-    blob = _blob(
+def _public_blob(parms, public) -> bytes:
+    """A public context framed as the key holder frames it (scale 2^40, special prime) for
+    parameters and a public key made outside `CkksKeyHolder`."""
+    return _blob(
         {
             _TAG_META: _META.pack(40, 1),
             _TAG_PARMS: _seal_save(parms.save),
             _TAG_PUBLIC_KEY: _seal_save(public.save),
         }
     )
+
+
+def test_public_refuses_parameters_below_128_bit_security() -> None:
+    # 4 x 40 bits at degree 4096 (128-bit security allows 109): keys made without SEAL's check
+    parms = sealapi.EncryptionParameters(sealapi.SCHEME_TYPE.CKKS)
+    parms.set_poly_modulus_degree(4096)
+    parms.set_coeff_modulus(sealapi.CoeffModulus.Create(4096, [40, 40, 40, 40]))
+    _, _, public = _keys(parms, sec=sealapi.SEC_LEVEL_TYPE.NONE)
+    blob = _public_blob(parms, public)
     with pytest.raises(CkksError, match="exceeds 109"):
         CkksPublic(context_bytes=blob)
 
@@ -193,13 +199,7 @@ def test_public_refuses_bfv_context() -> None:
     parms.set_coeff_modulus(sealapi.CoeffModulus.BFVDefault(4096, sealapi.SEC_LEVEL_TYPE.TC128))
     parms.set_plain_modulus(sealapi.PlainModulus.Batching(4096, 20))
     _, _, public = _keys(parms)
-    blob = _blob(
-        {
-            _TAG_META: _META.pack(40, 1),
-            _TAG_PARMS: _seal_save(parms.save),
-            _TAG_PUBLIC_KEY: _seal_save(public.save),
-        }
-    )
+    blob = _public_blob(parms, public)
     with pytest.raises(CkksError, match="BFV scheme; a CKKS context is required"):
         CkksPublic(context_bytes=blob)
 
