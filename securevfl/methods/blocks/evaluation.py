@@ -361,6 +361,14 @@ class BlockEvaluation:
     # --- state
 
 
+def _summed(had: np.ndarray | None, counts: np.ndarray) -> np.ndarray:
+    """Two square confusion matrices added, the smaller padded to the larger's classes."""
+    if had is None:
+        return counts
+    size = max(had.shape[0], counts.shape[0])
+    return np.pad(had, (0, size - had.shape[0])) + np.pad(counts, (0, size - counts.shape[0]))
+
+
 class _Scores:
     """What `metrics_from` needs, accumulated a chunk at a time: per predictor the confusion
     counts, and the rows' accuracies (each row's share of correct predictors) summed."""
@@ -385,14 +393,7 @@ class _Scores:
         self.rows += len(y)
 
     def _count(self, name: str, counts: np.ndarray) -> None:
-        had = self.confusion.get(name)
-        if had is not None and had.shape != counts.shape:
-            size = max(had.shape[0], counts.shape[0])
-            grown = np.zeros((size, size), dtype=np.int64)
-            grown[: had.shape[0], : had.shape[0]] += had
-            had = grown
-            counts = np.pad(counts, (0, size - counts.shape[0]))
-        self.confusion[name] = counts if had is None else had + counts
+        self.confusion[name] = _summed(self.confusion.get(name), counts)
 
     def merge(self, other: _Scores) -> None:
         for name, counts in other.confusion.items():
@@ -476,11 +477,9 @@ class OutputScores:
         self.rows += len(y)
 
     def _count(self, y: np.ndarray, pred: np.ndarray) -> None:
-        size = max(self.confusion.shape[0], int(y.max()) + 1, int(pred.max()) + 1, 2)
+        size = max(int(y.max()) + 1, int(pred.max()) + 1, 2)
         counts = np.bincount(y * size + pred, minlength=size * size).reshape(size, size)
-        had = self.confusion
-        counts[: had.shape[0], : had.shape[0]] += had
-        self.confusion = counts
+        self.confusion = _summed(self.confusion, counts)
 
     def _add_regression(self, y: np.ndarray, pred: np.ndarray) -> None:
         self._sse += float(np.sum((y - pred) ** 2))
