@@ -99,6 +99,13 @@ class Standardizer:
         self.std = np.asarray(state["std"])
 
 
+def float_tensors(arrays: Mapping[str, Any], device: Any) -> dict[str, Any]:
+    """Received arrays (sums, gradients) as float32 tensors on `device`, by name."""
+    return {
+        k: torch.tensor(np.asarray(v, dtype=np.float32), device=device) for k, v in arrays.items()
+    }
+
+
 def output_dim(task: str, n_classes: int) -> int:
     return n_classes if task == "multiclass" else 1
 

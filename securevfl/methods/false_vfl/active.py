@@ -29,7 +29,7 @@ import numpy as np
 from securevfl.lazy import torch
 from securevfl.methods.base import ActiveContext, ActiveMethod, SumSpec
 from securevfl.methods.blocks.batches import chunks, pattern_codes, table_pattern_batches
-from securevfl.methods.blocks.nets import derived_seed, table_class_count
+from securevfl.methods.blocks.nets import derived_seed, float_tensors, table_class_count
 from securevfl.metrics import task_metrics
 
 Group = tuple[str, ...]
@@ -209,10 +209,7 @@ class FalseVFLActiveMethod(ActiveMethod):
             inputs=self._call_inputs(pres),
             sums=[SumSpec(k, k, group) for k in (self.first, "prec")],
         )
-        sums = {
-            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
-            for k, v in got.items()
-        }
+        sums = float_tensors(got, self.device)
         sums[SUM_COUNT] = torch.as_tensor(pres.sum(1), dtype=torch.float32, device=self.device)
         return sums
 
@@ -234,10 +231,7 @@ class FalseVFLActiveMethod(ActiveMethod):
             inputs={"h": h.cpu().numpy(), **self._call_inputs(pres)},
             sums=[SumSpec(t, t, over) for t in tensors],
         )
-        return {
-            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
-            for k, v in got.items()
-        }, over
+        return float_tensors(got, self.device), over
 
     def _log_weights(self, ctx: ActiveContext, batch: Batch, n_samples: int):
         """(log w [n, S], h [n, S, d_h]) of the current (frozen) model, without gradients."""

@@ -37,7 +37,7 @@ import numpy as np
 
 from securevfl.lazy import torch
 from securevfl.methods.base import PartyMethod, UnknownOperation
-from securevfl.methods.blocks.nets import Standardizer, derived_seed
+from securevfl.methods.blocks.nets import Standardizer, derived_seed, float_tensors
 
 METHOD = "false-vfl"
 
@@ -237,10 +237,7 @@ class FalseVFLPartyMethod(PartyMethod):
                 f"backward carries {sorted(inputs)}; this party needs {sorted(wanted)}"
             )
         order = {int(r): i for i, r in enumerate(ids.tolist())}
-        grads = {
-            k: torch.tensor(np.asarray(v, dtype=np.float32), device=self.device)
-            for k, v in inputs.items()
-        }
+        grads = float_tensors(inputs, self.device)
         tensors, outs = [], []
         for entry in pending:
             try:
