@@ -828,16 +828,21 @@ class _CkksCodec:
     def zero(self, encryptor: Any) -> Any:
         """A fresh public-key encryption of zero at the data level and the context's scale
         (made there directly when the chain has no special prime: see :class:`_SealSetup`)."""
-        ct = sealapi.Ciphertext(self.seal)
-        encryptor.encrypt_zero(self._zero_level, ct)
-        ct.scale = self._scale
-        return ct
+        return self._fresh_zero(encryptor)
 
     def encrypt(self, plain: Any, encryptor: Any) -> Any:
         """A fresh encryption of ``plain``: what SEAL's own encrypt does (an encryption of zero
         plus the plaintext), at the level :meth:`zero` uses."""
-        ct = self.zero(encryptor)
+        ct = self._fresh_zero(encryptor)
         self.evaluator.add_plain_inplace(ct, plain)
+        return ct
+
+    def _fresh_zero(self, encryptor: Any) -> Any:
+        """The encryption of zero under both :meth:`zero` (the zeros made ahead, which tests
+        count through it) and :meth:`encrypt` (a contribution made fresh)."""
+        ct = sealapi.Ciphertext(self.seal)
+        encryptor.encrypt_zero(self._zero_level, ct)
+        ct.scale = self._scale
         return ct
 
     def dump(self, ct: Any, count: int) -> bytes:
