@@ -206,6 +206,9 @@ def align_active(
     )
     if on_bound is not None:
         on_bound(hub.endpoint)
+    from securevfl.roles.protocol import announce_endpoint
+
+    announce_endpoint(hub.endpoint)  # for `securevfl align` starting every role here
     presence = {}
     summary: dict[str, Any] = {"active": len(mine), "parties": {}}
     digest = _digest(mine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import tomllib
 import traceback
@@ -51,6 +52,8 @@ def _role_args(
             "--data", type=Path, help="this role's own CSV (default: RUN_DIR/data/<role>.csv)"
         )
         p.add_argument("--address", help="the aggregator's address (default: [network] aggregator)")
+        # the local launcher's: read the address from this file once the binding role wrote it
+        p.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--force", action="store_true", help=_FORCE_HELP)
     if resume:
@@ -131,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     align.add_argument("--data", type=Path, help="this role's own table (with --role)")
     align.add_argument("--keys", type=Path, help="keys directory (default: [network] keys)")
     align.add_argument("--bind", default="tcp://127.0.0.1:5560", help="the active party's address")
+    align.add_argument("--address-file", type=Path, help=argparse.SUPPRESS)
 
     predict = sub.add_parser(
         "predict",
@@ -408,12 +412,17 @@ def _align(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "--role", f"no role {args.role!r}; the config has {list(cfg.role_names)}"
             )
+        address = args.bind
+        if args.address_file is not None:
+            from securevfl.launcher import await_address
+
+            address = await_address(args.address_file, timeout=cfg.startup_timeout)
         n = align_party(
             cfg,
             name=args.role,
             data=args.data,
             keys_dir=keys,
-            address=args.bind,
+            address=address,
             out=out,
             logger=logger,
         )
@@ -421,12 +430,11 @@ def _align(args: argparse.Namespace) -> int:
         return P.EXIT_OK
     from securevfl.data.table import split_federation
     from securevfl.keys import generate_keys
-    from securevfl.launcher import free_port
+    from securevfl.launcher import ENDPOINT_FILE, LOCAL_ANY
 
     files = split_federation(cfg, out / "source")
     keys = out / "keys"
     generate_keys(cfg.role_names, keys, overwrite=True)
-    address = f"tcp://127.0.0.1:{free_port()}"
     base = [
         sys.executable,
         "-m",
@@ -438,11 +446,19 @@ def _align(args: argparse.Namespace) -> int:
         str(out),
         "--keys",
         str(keys),
-        "--bind",
-        address,
     ]
+    # the label holder binds a port the kernel picks and writes it; the parties read it
+    endpoint = out / ENDPOINT_FILE
+    endpoint.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != P.ENDPOINT_FILE_ENV}
     procs = [
-        subprocess.Popen([*base, "--role", r, "--data", str(files[r])]) for r in cfg.role_names
+        subprocess.Popen(
+            [*base, "--role", r, "--data", str(files[r]), "--bind", LOCAL_ANY]
+            if r == cfg.active_name
+            else [*base, "--role", r, "--data", str(files[r]), "--address-file", str(endpoint)],
+            env={**env, P.ENDPOINT_FILE_ENV: str(endpoint)} if r == cfg.active_name else env,
+        )
+        for r in cfg.role_names
     ]
     codes = [p.wait() for p in procs]
     return max(codes, key=abs)
@@ -550,7 +566,8 @@ def run_role(args: argparse.Namespace) -> int:
         else None
     )
     data = None if is_aggregator else (args.data or (run_dir / "data" / f"{role}.csv"))
-    address = None if is_aggregator else (args.address or cfg.aggregator_address)
+    address_file = None if is_aggregator else getattr(args, "address_file", None)
+    address = None if is_aggregator or address_file else (args.address or cfg.aggregator_address)
     from securevfl.preflight import check_role
 
     check_role(  # keys, data, port: one line and exit status 2 before anything starts
@@ -595,6 +612,10 @@ def run_role(args: argparse.Namespace) -> int:
             from securevfl.roles.aggregator import run_aggregator
 
             return run_aggregator(cfg, keys_dir=keys_dir, bind=bind, logger=logger)
+        if address_file is not None:  # after the slow imports: the binding role has had time
+            from securevfl.launcher import await_address
+
+            address = await_address(address_file, timeout=cfg.startup_timeout)
         from securevfl.device_time import device_clock
 
         clock = device_clock(device, role=role, run_dir=run_dir)  # None on a CPU

@@ -35,9 +35,43 @@ from securevfl.run_record import (
 
 
 def free_port() -> int:
+    """A port that was free a moment ago (closed again before it returns: another process may
+    take it before the caller binds it). The launcher does not use it: its binding role binds
+    port 0 and writes the port it got (`LOCAL_ANY`, `await_address`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: Where a locally launched federation's binding role listens: a port the kernel picks when it
+#: binds, so no other process can take it in between (as it could a port probed beforehand).
+LOCAL_ANY = "tcp://127.0.0.1:0"
+#: The file in a run directory where the binding role writes its address for the others.
+ENDPOINT_FILE = "endpoint.txt"
+
+
+def await_address(path: Path, *, timeout: float) -> str:
+    """The address the binding role wrote to `path` (`securevfl.roles.protocol.
+    announce_endpoint`), waiting up to `timeout` seconds for it; refuses (RunAborted) a file
+    that never comes or does not hold a tcp:// address."""
+    from securevfl.preflight import check_address
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = Path(path).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            text = None
+        if text:
+            check_address(text, key=f"the address in {path}")
+            return text
+        if time.monotonic() >= deadline:
+            raise P.RunAborted(
+                f"the aggregator did not write its address to {path} within {timeout:g} s "
+                "([network] startup_timeout); see the aggregator's log (or the active party's, "
+                "with aggregator_in_active) for why it did not start"
+            )
+        time.sleep(0.02)
 
 
 @dataclass
@@ -166,10 +200,13 @@ def role_commands(
     overrides: Sequence[str] = (),
     data: Mapping[str, Path] | None = None,
     predictions: Path | None = None,
+    address_file: Path | None = None,
 ) -> dict[str, list[str]]:
     """The command of every role; with `predictions`, the roles score (`data`: the new rows of
     each role) instead of training. With [network] aggregator_in_active there is no aggregator
-    command: the active party's process runs the aggregator (a thread binding `address`)."""
+    command: the active party's process runs the aggregator (a thread binding `address`).
+    With `address_file` (the local launcher), the role that binds listens on `address` (e.g.
+    `LOCAL_ANY`) and the others read where it listens from that file."""
     base = [sys.executable, "-m", "securevfl"]
     common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
     for o in overrides:
@@ -190,13 +227,13 @@ def role_commands(
         ]
     # aggregator_in_active: the active party's aggregator thread binds `address` itself
     colocated = ["--set", f"network.bind={json.dumps(address)}"] if cfg.aggregator_in_active else []
+    connect = ["--address-file", str(address_file)] if address_file else ["--address", address]
     cmds[cfg.active_name] = [
         *base,
         "active",
         *common,
         *colocated,
-        "--address",
-        address,
+        *(connect if not (address_file and cfg.aggregator_in_active) else []),
         "--data",
         str(data[cfg.active_name]),
         *extra,
@@ -209,8 +246,7 @@ def role_commands(
             *common,
             "--name",
             p,
-            "--address",
-            address,
+            *connect,
             "--data",
             str(data[p]),
             *extra,
@@ -248,15 +284,15 @@ def launch(
     keys = prepare_run_dir(
         cfg, Path(config_path), out, resume=resume, overrides=overrides, force=force
     )
-    address = f"tcp://127.0.0.1:{free_port()}"
     cmds = role_commands(
         Path(config_path).resolve(),
         cfg,
         out=out,
         keys=keys,
-        address=address,
+        address=LOCAL_ANY,
         resume=resume,
         overrides=override_args,
+        address_file=out / ENDPOINT_FILE,
     )
     return _start(cmds, cfg, out, stdout, env=env)
 
@@ -271,21 +307,27 @@ def _start(
 ) -> int:
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share the cores
+    child_env.pop(P.ENDPOINT_FILE_ENV, None)
+    # the role that binds (port 0: the kernel picks a free one) writes where it listens; the
+    # others, started at once, read it when they are ready to connect (`await_address`)
+    (out / ENDPOINT_FILE).unlink(missing_ok=True)
+    binder = "aggregator" if "aggregator" in cmds else cfg.active_name
     procs: list[RoleProcess] = []
     for role, cmd in cmds.items():
         is_active = role == cfg.active_name
+        role_env = child_env
+        if role == binder:
+            role_env = {**child_env, P.ENDPOINT_FILE_ENV: str(out / ENDPOINT_FILE)}
         procs.append(
             RoleProcess(
                 role,
                 subprocess.Popen(
                     cmd,
-                    env=child_env,
+                    env=role_env,
                     stdout=(stdout or sys.stdout) if is_active else subprocess.DEVNULL,
                 ),
             )
         )
-        if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
-            time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
     (out / "pids.json").write_text("{" + ", ".join(f'"{p.role}": {p.pid}' for p in procs) + "}\n")
     from securevfl.roles.rounds import tolerates_dropout
 
@@ -384,7 +426,6 @@ def score_rows(
 
     files = split_rows(cfg, Path(data), work / "data")
     predictions = Path(predictions or work / "predictions.csv").resolve()
-    address = f"tcp://127.0.0.1:{free_port()}"
     record = run_dir / RUN_RECORD
     overrides: list[str] = []
     if record.exists():
@@ -396,10 +437,11 @@ def score_rows(
         cfg,
         out=run_dir,
         keys=run_dir / "keys",
-        address=address,
+        address=LOCAL_ANY,
         resume=False,
         overrides=overrides,
         data=files,
         predictions=predictions,
+        address_file=run_dir / ENDPOINT_FILE,
     )
     return _start(cmds, cfg, run_dir, stdout)

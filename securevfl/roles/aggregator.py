@@ -544,7 +544,7 @@ def aggregator_hub(
     in-process socket only (the colocated active party)."""
     public = load_public(keys_dir)
     secrets = load_secrets(keys_dir, AGGREGATOR)
-    return Hub(
+    hub = Hub(
         name=AGGREGATOR,
         bind=bind,
         keypair=secrets.curve,
@@ -557,6 +557,8 @@ def aggregator_hub(
         curve=not bind.startswith("inproc://"),
         local=local,
     )
+    P.announce_endpoint(hub.endpoint)
+    return hub
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -92,3 +93,21 @@ def role_logger(role: str, run_dir: Path | None) -> logging.Logger:
             if h not in tl.handlers:
                 tl.addHandler(h)
     return logger
+
+
+#: Set by the local launcher (`securevfl.launcher`) on the one process that binds: the file
+#: where its hub writes the address it is listening on, once bound (the port the kernel gave
+#: for ``tcp://HOST:0``), for the other roles of the run to connect to.
+ENDPOINT_FILE_ENV = "SECUREVFL_ENDPOINT_FILE"
+
+
+def announce_endpoint(endpoint: str) -> None:
+    """Write `endpoint` to the file named by :data:`ENDPOINT_FILE_ENV` (atomically: a reader
+    sees the whole address or no file); nothing when it is unset or the hub is in-process."""
+    path = os.environ.get(ENDPOINT_FILE_ENV)
+    if not path or endpoint.startswith("inproc://"):
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(endpoint + "\n")
+    os.replace(tmp, path)

@@ -205,3 +205,44 @@ def test_after_alignment_each_party_is_told_only_the_ids_it_shares(tmp_path):
         assert len(told) < 240  # not the label holder's whole id list
     fed.run()
     assert fed.history
+
+
+def test_align_command_starts_every_role_as_processes_on_a_port_the_kernel_picks(tmp_path):
+    """`securevfl align` without --role: the label holder binds port 0 and writes the port it
+    got; the parties, started at the same time, connect there (no port probed beforehand that
+    another process could take in between)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from securevfl.demo import write_breast_cancer_csv
+
+    subprocess.run(
+        [sys.executable, "-m", "securevfl", "example", "breast-cancer", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    write_breast_cancer_csv(tmp_path / "breast_cancer.csv")
+    out = tmp_path / "al"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", "align", "--config", "breast_cancer.toml"]
+        + ["--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    address = (out / "endpoint.txt").read_text().strip()
+    port = int(address.rsplit(":", 1)[1])
+    assert address.startswith("tcp://127.0.0.1:") and port > 0
+    assert done.stdout.count("569 of 569 ids shared") == 3
+    assert sorted(p.name for p in Path(out, "aligned").glob("*.csv")) == [
+        "error.csv",
+        "mean.csv",
+        "presence.csv",
+        "worst.csv",
+    ]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from securevfl import cli
+from securevfl.errors import ConfigError
 from securevfl.keys import generate_keys
 from securevfl.threads import THREAD_VARS
 from tests.securevfl.conftest import BASE_RAW, securevfl_cli, synthetic_csv, write_toml
@@ -415,7 +416,34 @@ def test_run_binds_the_aggregator_on_loopback_only(tmp_path, monkeypatch):
     assert cli.main(s.run()) == 0
     agg = seen["aggregator"]
     bind = agg[agg.index("--bind") + 1]
-    assert bind.startswith("tcp://127.0.0.1:"), bind
+    # port 0: the kernel picks a free port as it binds, so no other process can take it first
+    assert bind == "tcp://127.0.0.1:0", bind
     for role in ("active", *PARTIES):
         cmd = seen[role]
-        assert cmd[cmd.index("--address") + 1] == bind
+        assert "--address" not in cmd  # each reads where the aggregator listens, once it does
+        assert Path(cmd[cmd.index("--address-file") + 1]).name == L.ENDPOINT_FILE
+
+
+def test_the_address_file_is_written_whole_and_awaited(tmp_path, monkeypatch):
+    """The local launcher's rendezvous: the binding role writes its address atomically (a
+    reader never sees half of it), only when the launcher asked; a reader that waits past the
+    start-up timeout is told which file never came and where to look."""
+    import securevfl.launcher as L
+    from securevfl.roles import protocol as P
+
+    target = tmp_path / L.ENDPOINT_FILE
+    monkeypatch.delenv(P.ENDPOINT_FILE_ENV, raising=False)
+    P.announce_endpoint("tcp://127.0.0.1:41234")
+    assert not target.exists()  # not asked: nothing written
+    monkeypatch.setenv(P.ENDPOINT_FILE_ENV, str(target))
+    P.announce_endpoint("inproc://aggregator-local")  # an in-process hub has no address to give
+    assert not target.exists()
+    P.announce_endpoint("tcp://127.0.0.1:41234")
+    assert target.read_text() == "tcp://127.0.0.1:41234\n"
+    assert [p.name for p in tmp_path.iterdir()] == [L.ENDPOINT_FILE]  # no temporary file left
+    assert L.await_address(target, timeout=0.1) == "tcp://127.0.0.1:41234"
+    with pytest.raises(P.RunAborted, match=r"did not write its address to .*within 0.2 s"):
+        L.await_address(tmp_path / "never.txt", timeout=0.2)
+    (tmp_path / "bad.txt").write_text("tcp://127.0.0.1:0\n")
+    with pytest.raises(ConfigError, match="port 0"):
+        L.await_address(tmp_path / "bad.txt", timeout=0.1)
