@@ -759,6 +759,7 @@ class _CkksCodec:
         moduli = self.seal.first_context_data().parms().coeff_modulus()
         self._moduli = [int(m.value()) for m in moduli]
         self._prime_bytes = [(q.bit_length() + 7) // 8 for q in self._moduli]
+        self._moduli_column = np.array(self._moduli, dtype=np.uint64).reshape(1, -1, 1)
         self._raw_body_bytes = (
             len(_RAW_MAGIC) + 32 + 2 * params.poly_modulus_degree * sum(self._prime_bytes)
         )
@@ -859,7 +860,11 @@ class _CkksCodec:
 
     def _dump_raw(self, ct: Any, count: int) -> bytes:
         assert self._access is not None
-        coeffs = self._access.view(ct)  # (2 polynomials, primes, degree) uint64, SEAL's memory
+        # (2 polynomials, primes, degree) uint64, SEAL's memory
+        return self.dump_coefficients(self._access.view(ct), count)
+
+    def dump_coefficients(self, coeffs: np.ndarray, count: int) -> bytes:
+        """The raw chunk of a ciphertext given as its (2, primes, degree) coefficients."""
         parts = [_COUNT.pack(count), _RAW_MAGIC, self._parms_id_bytes]
         n = self._params.poly_modulus_degree
         for i, width in enumerate(self._prime_bytes):
@@ -874,23 +879,39 @@ class _CkksCodec:
                 f"{what} is in the raw format, which this SEAL binding cannot load (its memory "
                 f"layout is not the one checked for); ask the sender to set {WIRE_ENV}=seal."
             )
+        return self.ciphertext_of(self._raw_coefficients(body, what=what))
+
+    def ciphertext_of(self, coeffs: np.ndarray) -> Any:
+        """A SEAL ciphertext holding (2, primes, degree) coefficients already checked."""
+        access = self._raw_access()
+        assert access is not None
+        ct = sealapi.Ciphertext(self.seal)
+        self.evaluator.negate(self._template, ct)  # a ciphertext with the right metadata
+        access.view(ct)[...] = coeffs
+        return ct
+
+    def _raw_coefficients(self, body: memoryview, *, what: str) -> np.ndarray:
+        """The (2 polynomials, primes, degree) uint64 coefficients of a raw chunk's body,
+        checked as SEAL's loader would: the length, the parms_id, every coefficient below its
+        prime."""
         if body.nbytes != self._raw_body_bytes or bytes(body[4:36]) != self._parms_id_bytes:
             raise CkksError(
                 f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
                 f"or made with other parameters): a raw ciphertext of {body.nbytes} bytes or "
                 "another parms_id."
             )
-        ct = sealapi.Ciphertext(self.seal)
-        self.evaluator.negate(self._template, ct)  # a ciphertext with the right metadata
-        coeffs = access.view(ct)
         n = self._params.poly_modulus_degree
+        coeffs = np.empty((2, len(self._moduli), n), dtype=np.uint64)
         offset = len(_RAW_MAGIC) + 32
+        padded = bytearray(body.nbytes + 8)  # 8-byte reads of the last coefficient stay inside
+        padded[: body.nbytes] = body
         for i, (width, q) in enumerate(zip(self._prime_bytes, self._moduli, strict=True)):
-            words = np.zeros((2, n, 8), dtype=np.uint8)
-            size = 2 * n * width
-            words[:, :, :width] = np.frombuffer(body, np.uint8, size, offset).reshape(2, n, width)
-            offset += size
-            values = words.view(np.uint64).reshape(2, n)
+            # each coefficient read as the 8 bytes where it starts, then cut to its width
+            values = np.ndarray(
+                (2, n), dtype="<u8", buffer=padded, offset=offset, strides=(n * width, width)
+            )
+            values = values & np.uint64((1 << (8 * width)) - 1)
+            offset += 2 * n * width
             if int(values.max()) >= q:
                 raise CkksError(
                     f"{what} is not a valid CKKS ciphertext for this context (truncated, "
@@ -898,7 +919,31 @@ class _CkksCodec:
                     "prime."
                 )
             coeffs[:, i, :] = values
-        return ct
+        return coeffs
+
+    def load_coefficients(
+        self, data: bytes | bytearray | memoryview, *, expected_len: int | None, what: str
+    ) -> tuple[np.ndarray, int] | None:
+        """A raw chunk as its checked (2, primes, degree) coefficients and value count, with
+        every check of :meth:`load` (a raw chunk has two polynomials, this context's parms_id,
+        scale and level by construction; a transparent one, whose second polynomial is zero,
+        is refused); None for a chunk in SEAL's format, or where this codec does not write raw
+        chunks (then :meth:`load` is the way)."""
+        if self.wire != WIRE_RAW:
+            return None
+        body, view = self._framed(data, what=what)
+        if bytes(body[: len(_RAW_MAGIC)]) != _RAW_MAGIC:
+            return None
+        coeffs = self._raw_coefficients(body, what=what)
+        if not coeffs[1].any():
+            raise CkksError(f"{what} is transparent (not encrypted).")
+        return coeffs, self._count(view, expected_len=expected_len, what=what)
+
+    def add_coefficients(self, total: np.ndarray, other: np.ndarray) -> None:
+        """``total += other`` modulo each prime, in place (both checked below their primes)."""
+        total += other  # below 2^61 (SEAL's primes are at most 60 bits): no overflow
+        # total - q wraps around to above 2^63 where total < q: the smaller is the residue
+        np.minimum(total, total - self._moduli_column, out=total)
 
     def check_layout(self, packed: PackedCiphertexts, *, what: str) -> None:
         if not isinstance(packed, PackedCiphertexts):
@@ -916,6 +961,27 @@ class _CkksCodec:
         """Parse one chunk and check everything that can be checked about it; returns the
         ciphertext and its value count. ``expected_len=None`` accepts any count from 1 to
         ``slots``."""
+        body, view = self._framed(data, what=what)
+        if bytes(body[: len(_RAW_MAGIC)]) == _RAW_MAGIC:
+            ct = self._load_raw(body, what=what)
+        else:
+            ct = self._load_seal(body, what=what)
+        if ct.size() != 2:
+            raise CkksError(
+                f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
+            )
+        if ct.parms_id() != self._first_parms_id:
+            raise CkksError(f"{what} is not at the context's top modulus level.")
+        if ct.scale != self._scale:
+            raise CkksError(f"{what} has scale {ct.scale}, not 2^{self._params.scale_bits}.")
+        if ct.is_transparent():
+            raise CkksError(f"{what} is transparent (not encrypted).")
+        return ct, self._count(view, expected_len=expected_len, what=what)
+
+    def _framed(
+        self, data: bytes | bytearray | memoryview, *, what: str
+    ) -> tuple[memoryview, memoryview]:
+        """A chunk's ciphertext bytes and the whole chunk, once its size is checked."""
         if not isinstance(data, bytes | bytearray | memoryview):
             raise CkksError(f"{what} is a {type(data).__name__}, not bytes.")
         view = memoryview(data).cast("B")
@@ -931,28 +997,17 @@ class _CkksCodec:
                 f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
                 f"or made with other parameters): {view.nbytes} bytes."
             )
-        body = view[_COUNT.size :]
-        if bytes(body[: len(_RAW_MAGIC)]) == _RAW_MAGIC:
-            ct = self._load_raw(body, what=what)
-        else:
-            ct = self._load_seal(body, what=what)
-        if ct.size() != 2:
-            raise CkksError(
-                f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
-            )
-        if ct.parms_id() != self._first_parms_id:
-            raise CkksError(f"{what} is not at the context's top modulus level.")
-        if ct.scale != self._scale:
-            raise CkksError(f"{what} has scale {ct.scale}, not 2^{self._params.scale_bits}.")
-        if ct.is_transparent():
-            raise CkksError(f"{what} is transparent (not encrypted).")
+        return view[_COUNT.size :], view
+
+    def _count(self, view: memoryview, *, expected_len: int | None, what: str) -> int:
+        """A chunk's value count (its first 4 bytes), checked (after its ciphertext)."""
         (size,) = _COUNT.unpack_from(view)
         if expected_len is None:
             if not 1 <= size <= self.slots:
                 raise CkksError(f"{what} carries {size} values; 1 to {self.slots} were expected.")
         elif size != expected_len:
             raise CkksError(f"{what} carries {size} values; {expected_len} were expected.")
-        return ct, size
+        return size
 
     def _load_seal(self, body: memoryview, *, what: str) -> Any:
         path = self._path()
@@ -1458,9 +1513,41 @@ class CkksPublic:
         packed = PackedCiphertexts.from_frames(frames, length=0)
         last = len(packed.chunks) - 1
         return [
-            self._codec.load(c, expected_len=None if i == last else self.slots, what=f"chunk {i}")
+            self._load_any(c, expected_len=None if i == last else self.slots, what=f"chunk {i}")
             for i, c in enumerate(packed.chunks)
         ]
+
+    def _load_any(self, data: bytes, *, expected_len: int | None, what: str) -> tuple[Any, int]:
+        """A chunk as its coefficients (a raw chunk, which the sum never hands to SEAL: adding
+        is a modular addition of coefficients) or as a SEAL ciphertext (SEAL's format)."""
+        loaded = self._codec.load_coefficients(data, expected_len=expected_len, what=what)
+        if loaded is not None:
+            return loaded
+        return self._codec.load(data, expected_len=expected_len, what=what)
+
+    def _summed(self, chunks: list[list[tuple[Any, int]]]) -> list[bytes]:
+        """The chunk-wise sums of contributions loaded by :meth:`_load_any`, serialised.
+        Coefficients are added modulo each prime (what SEAL's add does on ciphertexts at one
+        level and scale, all checked on load); a chunk in SEAL's format among them makes the
+        sum of that chunk SEAL's."""
+        out = []
+        for parts in zip(*chunks, strict=True):
+            count = parts[0][1]
+            items = [item for item, _ in parts]
+            if all(isinstance(item, np.ndarray) for item in items):
+                total = items[0]
+                for other in items[1:]:
+                    self._codec.add_coefficients(total, other)
+                out.append(self._codec.dump_coefficients(total, count))
+                continue
+            cts = [
+                self._codec.ciphertext_of(item) if isinstance(item, np.ndarray) else item
+                for item in items
+            ]
+            for ct in cts[1:]:
+                self._codec.evaluator.add_inplace(cts[0], ct)
+            out.append(self._codec.dump(cts[0], count))
+        return out
 
     def add_loaded(self, contributions: Sequence[list[Any]]) -> PackedCiphertexts:
         """Sum contributions already loaded by :meth:`load_contribution` (consumes them)."""
@@ -1472,13 +1559,8 @@ class CkksPublic:
                 "contributions to one sum must have the same chunk layout; "
                 f"got value counts {sizes}."
             )
-        totals = [ct for ct, _ in contributions[0]]
-        for other in contributions[1:]:
-            for total, (ct, _) in zip(totals, other, strict=True):
-                self._codec.evaluator.add_inplace(total, ct)
         return PackedCiphertexts(
-            chunks=[self._codec.dump(t, n) for t, n in zip(totals, sizes[0], strict=True)],
-            length=int(sum(sizes[0])),
+            chunks=self._summed(list(contributions)), length=int(sum(sizes[0]))
         )
 
     def add(self, contributions: Sequence[PackedCiphertexts]) -> PackedCiphertexts:
@@ -1500,20 +1582,15 @@ class CkksPublic:
                     f"contribution {k} carries {packed.length} values but contribution 0 "
                     f"carries {length}; all contributions to one sum must have the same length."
                 )
-        chunks: list[bytes] = []
-        for i in range(_num_chunks(length, self.slots)):
-            expected_len = _chunk_length(i, length, self.slots)
-            total, _ = self._codec.load(
-                contributions[0].chunks[i],
-                expected_len=expected_len,
-                what=f"contribution 0 chunk {i}",
-            )
-            for k in range(1, len(contributions)):
-                ct, _ = self._codec.load(
-                    contributions[k].chunks[i],
-                    expected_len=expected_len,
+        loaded = [
+            [
+                self._load_any(
+                    chunk,
+                    expected_len=_chunk_length(i, length, self.slots),
                     what=f"contribution {k} chunk {i}",
                 )
-                self._codec.evaluator.add_inplace(total, ct)
-            chunks.append(self._codec.dump(total, expected_len))
-        return PackedCiphertexts(chunks=chunks, length=length)
+                for i, chunk in enumerate(packed.chunks)
+            ]
+            for k, packed in enumerate(contributions)
+        ]
+        return PackedCiphertexts(chunks=self._summed(loaded), length=length)

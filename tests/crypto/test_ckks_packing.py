@@ -240,3 +240,28 @@ def test_raw_chunk_with_an_all_zero_second_polynomial_is_refused(default_keys) -
         offset += 2 * n * width
     with pytest.raises(CkksError, match="transparent"):
         public.add([PackedCiphertexts(chunks=[bytes(chunk)], length=10)])
+
+
+def test_raw_sums_add_coefficients_exactly_as_seal_does(default_keys) -> None:
+    """The aggregator adds raw chunks as coefficients modulo each prime, without SEAL: the
+    bytes are those of SEAL's own addition (the coefficients are uniform below their primes,
+    so most additions wrap), through `add` and through the per-contribution path."""
+    holder, public = default_keys
+    rng = np.random.default_rng(8)
+    n = public.slots + 77
+    xs = [rng.uniform(-500, 500, n) for _ in range(4)]
+    packed = [public.encrypt(x) for x in xs]
+    codec = public._codec
+    expected = []
+    for i in range(len(packed[0].chunks)):
+        cts = [codec.load(p.chunks[i], expected_len=None, what="c")[0] for p in packed]
+        for ct in cts[1:]:
+            codec.evaluator.add_inplace(cts[0], ct)
+        expected.append(codec.dump(cts[0], len(xs[0][i * public.slots : (i + 1) * public.slots])))
+    assert public.add(packed).chunks == expected
+    loaded = [public.load_contribution(p.to_frames()) for p in packed]
+    assert all(isinstance(item, np.ndarray) for c in loaded for item, _ in c)
+    total = public.add_loaded(loaded)
+    assert total.chunks == expected
+    out = holder.decrypt_sum(total, shape=(n,))
+    np.testing.assert_allclose(out, np.sum(xs, axis=0), atol=1e-5)
