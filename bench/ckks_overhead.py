@@ -1,17 +1,19 @@
 """CKKS against plain on Credit (split-NN, 4 parties x 5 columns, batch 256, width 16), side by side
 in one run: plain; ``ckks-before``, the CKKS sum before the raw wire format (SEAL's zstd
 serialisation through a tmpfs file per ciphertext, encryptions of zero on a worker started at
-once); ``ckks``, today's defaults (raw wire, zeros on a worker thread woken by each call, which
-waits 2 ms first), with the parameters a run sizes from the default value bound ([secure]
+once); ``ckks``, today's defaults (raw wire, zeros made by the party's own thread at once after
+its send, while it waits for the next call), with the parameters a run sizes from the default
+value bound ([secure]
 bound = 2^20); and ckks with ``[secure] ckks.magnitude`` declared (default 1024). The sized
 chains have no special prime (``crypto.ckks.choose_params``); ``ckks-special`` and
 ``ckks-m<magnitude>-special`` fix the chains that were sized before, with SEAL's 20-bit special
 prime ((34, 33, 20) and (56, 20) at scale 2^40), so the two are compared in the same run
 (``--variants`` picks).
 ``--ablation`` adds the other ways of making the encryptions of zero
-(``SECUREVFL_CKKS_ZEROS``): ``ckks-raw-nodelay`` (worker started at once), ``ckks-fresh`` (none
-made ahead), ``ckks-process`` (a nice-19 helper process per party), ``ckks-idle`` and
-``ckks-idle0`` (the party's own thread, 2 ms after its send or at once); ``--variants`` runs a
+(``SECUREVFL_CKKS_ZEROS``): ``ckks-thread`` (the default until 2026-11-24: a worker thread
+woken by each call, which waits 2 ms first), ``ckks-raw-nodelay`` (that worker started at once),
+``ckks-fresh`` (none made ahead), ``ckks-process`` (a nice-19 helper process per party),
+``ckks-idle2ms`` (the party's own thread, 2 ms after its send); ``--variants`` runs a
 subset (plain always runs). Variants are interleaved per repeat, each a real multi-process
 federation over loopback ZeroMQ + CURVE (`bench/fedbench.py`); the switches are environment
 variables (``SECUREVFL_CKKS_WIRE``, ``SECUREVFL_CKKS_PREP_DELAY``, ``SECUREVFL_CKKS_ZEROS``),
@@ -111,10 +113,11 @@ def variants(
         out["ckks-fresh"] = ("ckks", {}, {ZEROS_ENV: "fresh"})  # no zeros made ahead
         # made by a nice-19 helper process per party
         out["ckks-process"] = ("ckks", {}, {ZEROS_ENV: "process"})
-        # made by the party's own thread after its send (2 ms after, or at once)
-        out["ckks-idle"] = ("ckks", {}, {ZEROS_ENV: "idle"})
-        out["ckks-idle0"] = ("ckks", {}, {ZEROS_ENV: "idle", PREP_DELAY_ENV: "0"})
-    # the default: raw wire, zeros on a worker thread woken by each call, after 2 ms
+        # the default before 2026-11-24 evening: a worker thread woken by each call, after 2 ms
+        out["ckks-thread"] = ("ckks", {}, {ZEROS_ENV: "thread"})
+        # the party's own thread after its send, 2 ms after it
+        out["ckks-idle2ms"] = ("ckks", {}, {ZEROS_ENV: "idle", PREP_DELAY_ENV: "0.002"})
+    # the default: raw wire, zeros made by the party's own thread at once after its send
     out["ckks"] = ("ckks", {}, {})
     out["ckks-special"] = ("ckks", fixed(SPECIAL_DEFAULT), {})
     out[f"ckks-m{magnitude:g}"] = ("ckks", {"ckks.magnitude": magnitude}, {})

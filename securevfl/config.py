@@ -76,7 +76,9 @@ class DPConfig:
 class CkksConfig:
     # None (default): sized to the sums (`securevfl.secure_sum.ckks_params`): the smallest
     # degree and chain giving `precision_bits` released bits for sums of every party's values up
-    # to [secure] ckks.magnitude (default [secure] bound) at `security_bits`; set all three to fix
+    # to [secure] ckks.magnitude (default: the method's declared magnitude, e.g. 4096 for the
+    # representation sums of split-NN and the block methods, else [secure] bound) at
+    # `security_bits`; set all three to fix
     poly_modulus_degree: int | None = None
     coeff_mod_bit_sizes: tuple[int, ...] | None = None
     scale_bits: int | None = None
@@ -385,7 +387,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             minimum=0.0,
             exclusive_minimum=True,
         ),
-        ckks=_ckks(s.table("ckks", {})),
+        ckks=_ckks(s.table("ckks", {}), magnitude=secure_defaults.get("ckks.magnitude")),
         aggregator_address=n.string("aggregator", D.aggregator_address),
         bind_address=n.string("bind", None),
         keys_dir=_resolve(base, n.string("keys", str(D.keys_dir))),
@@ -900,7 +902,9 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
     )
 
 
-def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
+def _ckks(raw: Mapping[str, Any], *, magnitude: float | None = None) -> CkksConfig:
+    """[secure] ckks; `magnitude`: the method's declared bound on its sums' values
+    (`MethodSpec.secure_defaults` ``ckks.magnitude``), used where the table sets none."""
     manual = ("poly_modulus_degree", "coeff_mod_bit_sizes", "scale_bits")
     known = {*manual, "special_prime", "precision_bits", "flood_bits", "security_bits", "magnitude"}
     for k in raw:
@@ -948,7 +952,7 @@ def _ckks(raw: Mapping[str, Any]) -> CkksConfig:
     )
     if security not in (128, 192, 256):
         raise ConfigError("[secure] ckks.security_bits", f"must be 128, 192 or 256, got {security}")
-    magnitude = raw.get("magnitude")
+    magnitude = raw.get("magnitude", magnitude)
     if magnitude is not None:
         if isinstance(magnitude, bool) or not isinstance(magnitude, int | float):
             raise ConfigError("[secure] ckks.magnitude", f"must be a number, got {magnitude!r}")

@@ -301,38 +301,42 @@ class MaskActive(ActiveSumStage):
 
 #: How a CKKS party makes the encryptions of zero its contributions add their values to
 #: ($SECUREVFL_CKKS_ZEROS; `bench/ckks_overhead.py --ablation` compares them):
-#: ``thread`` (default): a worker thread woken at the end of each call, which first waits
+#: ``idle`` (default): in the party's own thread once its contribution is sent and it waits
+#: for the next call (`CkksParty.idle`, called by the party's loop), `CKKS_IDLE_DELAY_S` after
+#: the send (none by default), as many as the calls since the last wait used.
+#: ``thread``: a worker thread woken at the end of each call, which first waits
 #: `CKKS_PREP_DELAY_S` so that the contribution is sent before SEAL takes the GIL.
 #: ``process``: a child process at nice 19 under SCHED_IDLE makes them into a pipe
 #: (`crypto.ckks_zeros`), started by the party's first wait (`CkksParty.idle`), so they come
 #: from CPU time the federation leaves idle and never take the party's GIL; a call takes what
 #: is ready (a non-blocking read and a checked load, ~0.07 ms) and encrypts the rest afresh.
 #: Falls back to ``thread`` where the child cannot be started.
-#: ``idle``: in the party's own thread after its send (`CkksParty.idle`, called by the party's
-#: loop), `CKKS_PREP_DELAY_S` after it, as many as the calls since the last wait used.
 #: ``fresh``: none prepared; each chunk is encrypted within the call.
-#: On the loaded 2-core development machine none of the other three beat ``thread`` (see the
-#: README's CKKS overhead section), so it stays the default.
+#: Side by side on a quiet 2-core machine (Credit, 4 parties) ``idle`` with no delay beat
+#: ``thread`` in every repeat, 1.62x plain against 1.72x (see the README's CKKS overhead
+#: section): the zeros are made while the party would only wait, by the thread that waits, so
+#: no other thread contends for the GIL and nothing is woken.
 ZERO_MODES = ("thread", "process", "idle", "fresh")
 ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"
+DEFAULT_ZERO_MODE = "idle"
 
 
-def _zero_mode(default: str = "thread") -> str:
+def _zero_mode(default: str = DEFAULT_ZERO_MODE) -> str:
     """$SECUREVFL_CKKS_ZEROS, else `default`; refuses anything but `ZERO_MODES`."""
     text = os.environ.get(ZEROS_ENV, "").strip() or default
     if text not in ZERO_MODES:
         raise ValueError(
             f"{ZEROS_ENV}={text!r} is not one of {', '.join(ZERO_MODES)}; unset it for the "
-            "default (thread)."
+            f"default ({DEFAULT_ZERO_MODE})."
         )
     return text
 
 
 def _prep_delay(default: float = 0.002) -> float:
-    """How long the ``thread`` mode's worker waits after `protect` returns before it makes the
-    next call's encryptions of zero (SEAL holds the GIL: started at once, it would delay this
-    call's send): $SECUREVFL_CKKS_PREP_DELAY seconds (benchmarks set 0 to compare), else
-    `default`."""
+    """How long a party waits after its send before it makes the next call's encryptions of
+    zero: $SECUREVFL_CKKS_PREP_DELAY seconds (benchmarks set it to compare), else `default`
+    (the ``thread`` mode's worker: 2 ms, as SEAL holds the GIL and, started at once, would
+    delay this call's send; the ``idle`` mode: none, its send has gone already)."""
     text = os.environ.get("SECUREVFL_CKKS_PREP_DELAY", "").strip()
     try:
         value = float(text) if text else default
@@ -341,12 +345,13 @@ def _prep_delay(default: float = 0.002) -> float:
     if not 0.0 <= value <= 10.0:
         raise ValueError(
             f"SECUREVFL_CKKS_PREP_DELAY={text!r} is not a delay in seconds between 0 and 10; "
-            "unset it for the default (0.002)."
+            f"unset it for the default ({default:g})."
         )
     return value
 
 
 CKKS_PREP_DELAY_S = _prep_delay()
+CKKS_IDLE_DELAY_S = _prep_delay(0.0)
 # the most zeros `CkksParty.idle` keeps ready (each ~80 KB at the Credit defaults)
 _MAX_IDLE_ZEROS = 64
 
@@ -370,7 +375,7 @@ class CkksParty(PartySumStage):
 
     def __init__(self, s: SumSession, *, zeros: str | None = None) -> None:
         """`zeros`: how encryptions of zero are made ahead (`ZERO_MODES`); None reads
-        $SECUREVFL_CKKS_ZEROS (default ``thread``)."""
+        $SECUREVFL_CKKS_ZEROS (default ``idle``)."""
         super().__init__(s)
         from crypto.ckks import CkksPublic
 
@@ -391,12 +396,34 @@ class CkksParty(PartySumStage):
 
     def protect(self, x, *, round, group, key):
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
+        self._check_magnitude(flat, group=group, key=key)
         self._join()  # one thread in the context at a time
         packed = self.public.encrypt(flat)
         self._used += len(packed.chunks)
         if self.zeros == "thread":
             self._prepare(flat.size)
         return _chunk_arrays(key, packed.chunks)
+
+    def _check_magnitude(self, flat: np.ndarray, *, group: Sequence[str], key: str) -> None:
+        """Refuse a contribution whose values a sum of ``len(group)`` such contributions could
+        carry past what the parameters decrypt (``2**magnitude_bits``): CKKS would not fail
+        there, it would decrypt to wrong numbers. Values up to the configured magnitude
+        ([secure] ckks.magnitude, or the method's) always pass: the parameters were sized for
+        every party's and the active party's value at that bound."""
+        from securevfl.errors import RunAborted
+
+        limit = 2.0 ** self.public.params.magnitude_bits / max(len(group), 1)
+        if flat.size == 0:
+            return
+        peak = float(np.max(np.abs(flat)))
+        if peak > limit:  # NaN and infinities are refused by the encryption itself
+            raise RunAborted(
+                f"{self.s.name}: a value of its contribution to the CKKS sum {key!r} is "
+                f"{peak:.4g}, beyond {limit:.4g}, the most each of {len(group)} contributions "
+                "may carry for the sum to decrypt correctly with this run's parameters (sized "
+                "from [secure] ckks.magnitude, or the method's declared magnitude); set a "
+                "larger [secure] ckks.magnitude and resume from the last checkpoint"
+            )
 
     def _start_source(self) -> None:
         import weakref
@@ -428,7 +455,7 @@ class CkksParty(PartySumStage):
         """The party's contribution is sent and it waits for the next call (the party's loop
         calls this after each send). In ``process`` mode the first wait starts the helper
         process. In ``idle`` mode, make here, in the caller's thread and
-        `CKKS_PREP_DELAY_S` after the send, the encryptions of zero that bring the ready ones
+        `CKKS_IDLE_DELAY_S` after the send, the encryptions of zero that bring the ready ones
         up to what the calls between two waits used (the most over the last 4 waits, at most
         `_MAX_IDLE_ZEROS`), so the next call of the same shape only encodes, adds and
         serialises: no other thread is woken, and the send has already gone. Each zero is used
@@ -445,10 +472,10 @@ class CkksParty(PartySumStage):
         want = min(max(self._recent), _MAX_IDLE_ZEROS, MAX_PREPARED_ZEROS)
         missing = want - self.public.ready_zeros
         if missing > 0:
-            if CKKS_PREP_DELAY_S > 0:
+            if CKKS_IDLE_DELAY_S > 0:
                 # the contribution just sent is being summed: leave the cores to the
                 # aggregator first (the next call is queued by ZeroMQ meanwhile)
-                time.sleep(CKKS_PREP_DELAY_S)
+                time.sleep(CKKS_IDLE_DELAY_S)
             self.public.prepare_zeros(missing * self.public.slots)
 
     def _prepare(self, length: int) -> None:

@@ -289,6 +289,16 @@ class Release:
         return fnmatch.fnmatchcase(tensor, self.tensor)
 
 
+#: The bound on a party representation's values that the methods summing representations
+#: (split-NN and the block methods) declare for their CKKS sums (``[secure] ckks.magnitude``
+#: unless the config sets it; a CKKS party refuses a contribution beyond what the parameters
+#: sized from it hold, `securevfl.secure_sum.CkksParty`): about 40x the largest value seen
+#: training split-NN on Credit at 10x the default learning rate (108; 23 at the default), and
+#: one data prime for sums of up to 8 parties and the active party.
+REPRESENTATION_MAGNITUDE = 4096.0
+REPRESENTATION_SECURE_DEFAULTS = (("ckks.magnitude", REPRESENTATION_MAGNITUDE),)
+
+
 @dataclass(frozen=True)
 class Operation:
     """A party operation a method may call: what it does, what it may release, which tensors
@@ -329,7 +339,8 @@ class MethodSpec:
     (`securevfl.methods.options`); `checks` functions ``(cfg, options)`` raising `ConfigError`
     for settings the method cannot run with. `dp_sgd` says where DP-SGD may be configured
     ("parties": the party models, "active": the active party's trainable part);
-    `secure_defaults` gives ``[secure]`` defaults (e.g. more fractional bits);
+    `secure_defaults` gives ``[secure]`` defaults (e.g. more fractional bits, or
+    ``ckks.magnitude``: the bound on its sums' values that CKKS parameters are sized from);
     `tolerates_dropout`: the method goes on without a party that died; `example` builds a small
     federation for the conformance suite every method is held to. `encodings` are the ways its
     party models take categorical columns (``"onehot"``, ``"embedding"``: codes embedded by

@@ -14,7 +14,7 @@ import numpy as np
 
 from securevfl.lazy import nn
 from securevfl.methods import examples
-from securevfl.methods.base import ActiveContext, MethodSpec
+from securevfl.methods.base import REPRESENTATION_SECURE_DEFAULTS, ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
 from securevfl.methods.blocks.batches import block_names, subset_code
 from securevfl.methods.blocks.evaluation import Prediction
@@ -109,6 +109,7 @@ SPEC = MethodSpec(
     active=CombinatorialActive,
     party=CombinatorialParty,
     operations=BLOCK_OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),

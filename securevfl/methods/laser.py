@@ -32,7 +32,7 @@ import numpy as np
 from securevfl.errors import ConfigError
 from securevfl.lazy import torch
 from securevfl.methods import examples
-from securevfl.methods.base import ActiveContext, MethodSpec
+from securevfl.methods.base import REPRESENTATION_SECURE_DEFAULTS, ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import BlockActive
 from securevfl.methods.blocks.batches import RowKeys, chunks
 from securevfl.methods.blocks.evaluation import Prediction
@@ -318,6 +318,7 @@ SPEC = MethodSpec(
     active=LaserActive,
     party="securevfl.methods.blocks.party:BlockParty",
     operations=BLOCK_OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     options=LaserOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),

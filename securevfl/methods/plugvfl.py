@@ -17,7 +17,7 @@ import numpy as np
 from securevfl.errors import ConfigError
 from securevfl.lazy import nn, torch
 from securevfl.methods import examples
-from securevfl.methods.base import ActiveContext, MethodSpec
+from securevfl.methods.base import REPRESENTATION_SECURE_DEFAULTS, ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.batches import block_names
 from securevfl.methods.blocks.evaluation import Prediction
@@ -135,6 +135,7 @@ SPEC = MethodSpec(
     active=PlugVFLActive,
     party=PlugVFLParty,
     operations=BLOCK_OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     options=PlugOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),

@@ -15,6 +15,7 @@ import numpy as np
 from securevfl.lazy import torch
 from securevfl.methods import examples
 from securevfl.methods.base import (
+    REPRESENTATION_SECURE_DEFAULTS,
     ActiveContext,
     ActiveMethod,
     MethodSpec,
@@ -366,6 +367,7 @@ SPEC = MethodSpec(
     active=SplitNNActive,
     party=SplitNNParty,
     operations=OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     dp_sgd=("parties", "active"),
     encodings=("onehot", "embedding"),
     # a batch's backward rides ahead of the next batch's forward (one round trip per batch)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from securevfl.methods import examples
-from securevfl.methods.base import ActiveContext, MethodSpec
+from securevfl.methods.base import REPRESENTATION_SECURE_DEFAULTS, ActiveContext, MethodSpec
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.evaluation import Prediction
 from securevfl.methods.blocks.options import CLASSIFICATION, BlockOptions, check_block_options
@@ -44,6 +44,7 @@ SPEC = MethodSpec(
     active=StandardVFLActive,
     party="securevfl.methods.blocks.party:BlockParty",
     operations=BLOCK_OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),

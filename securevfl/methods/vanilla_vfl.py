@@ -24,7 +24,13 @@ import numpy as np
 from securevfl.errors import ConfigError
 from securevfl.lazy import torch
 from securevfl.methods import examples
-from securevfl.methods.base import ActiveContext, MethodSpec, Operation, Release
+from securevfl.methods.base import (
+    REPRESENTATION_SECURE_DEFAULTS,
+    ActiveContext,
+    MethodSpec,
+    Operation,
+    Release,
+)
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.batches import chunks
 from securevfl.methods.blocks.evaluation import Prediction
@@ -139,6 +145,7 @@ SPEC = MethodSpec(
     active=VanillaVFLActive,
     party=VanillaVFLParty,
     operations=OPERATIONS,
+    secure_defaults=REPRESENTATION_SECURE_DEFAULTS,  # CKKS sized to representations
     options=BlockOptions,
     tasks=CLASSIFICATION,
     dp_sgd=("parties",),

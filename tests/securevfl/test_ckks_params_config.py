@@ -21,8 +21,11 @@ BASE = {
 }
 
 
-def cfg(**secure):
+def cfg(method: str = "false-vfl", **secure):
+    """A config of `method` (default one that declares no magnitude for its sums, so that
+    [secure] bound sizes them) with these [secure] keys."""
     raw = copy.deepcopy(BASE)
+    raw["run"]["method"] = method
     ckks = secure.pop("ckks", None)
     raw["secure"] = dict(secure)
     if ckks is not None:
@@ -108,3 +111,21 @@ def test_impossible_or_partial_parameters_are_refused_at_load(ckks, words):
         cfg(ckks=ckks)
     assert info.value.key.startswith("[secure] ckks")
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["splitnn", "standard-vfl", "laser", "vanilla-vfl"])
+def test_representation_methods_declare_the_magnitude_of_their_sums(method):
+    """Split-NN and the block methods sum party representations: they declare a magnitude
+    for them (REPRESENTATION_MAGNITUDE), which sizes CKKS where the config sets none, and which
+    the config can override; methods that declare none are sized from [secure] bound."""
+    from securevfl.methods.base import REPRESENTATION_MAGNITUDE
+
+    declared = cfg(method, bound=2.0**20)
+    assert declared.ckks.magnitude == REPRESENTATION_MAGNITUDE == 4096.0
+    params = ckks_params(declared)
+    assert params.poly_modulus_degree == 4096 and params.data_primes == 1  # one prime
+    sizing = describe_params(params, terms=len(declared.party_names) + 1)
+    assert 2.0**sizing.magnitude_bits >= REPRESENTATION_MAGNITUDE * sizing.terms
+    assert cfg(method, ckks={"magnitude": 2.0**20}).ckks.magnitude == 2.0**20
+    assert ckks_params(cfg(method, ckks={"magnitude": 2.0**20})) == ckks_params(cfg(bound=2.0**20))
+    assert cfg(bound=2.0**20).ckks.magnitude is None  # false-vfl declares none

@@ -1,6 +1,6 @@
-"""A CKKS party gets the zeros of its next call made before that call: on a worker thread
-(``thread``, the default), by a nice-19 helper process (``process``), or in ``idle`` mode when
-its loop calls `CkksParty.idle` after the send. The next call uses them (each once), sums still
+"""A CKKS party gets the zeros of its next call made before that call: in ``idle`` mode (the
+default) when its loop calls `CkksParty.idle` after the send, on a worker thread (``thread``),
+or by a nice-19 helper process (``process``). The next call uses them (each once), sums still
 decrypt to the released precision, zeros left by lengths that do not recur stay bounded, and the
 mode comes from $SECUREVFL_CKKS_ZEROS."""
 
@@ -122,7 +122,7 @@ def test_idle_keeps_at_most_the_cap(monkeypatch):
 
 def test_the_mode_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv("SECUREVFL_CKKS_ZEROS", raising=False)
-    assert secure_sum._zero_mode() == "thread"
+    assert secure_sum._zero_mode() == "idle"
     for mode in ("thread", "process", "idle", "fresh"):
         monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", mode)
         assert secure_sum._zero_mode() == mode
@@ -230,3 +230,38 @@ def test_process_mode_falls_back_to_a_worker_thread_without_a_helper(monkeypatch
     party.protect(np.ones(5), round=0, group=["a", "b"], key="h")
     party._join()
     assert party.public.ready_zeros == 1
+
+
+def test_idle_mode_waits_only_as_long_as_configured(monkeypatch):
+    """The default idle mode makes its zeros at once after the send (no delay); a configured
+    delay ($SECUREVFL_CKKS_PREP_DELAY) is slept first."""
+    assert secure_sum.CKKS_IDLE_DELAY_S == 0.0
+    slept: list[float] = []
+    monkeypatch.setattr(secure_sum.time, "sleep", slept.append)
+    parties, _, _ = _roles()
+    party = parties["a"]
+    party.protect(np.ones(5), round=0, group=["a", "b"], key="h")
+    party.idle()
+    assert slept == [] and party.public.ready_zeros == 1
+    monkeypatch.setattr(secure_sum, "CKKS_IDLE_DELAY_S", 0.25)
+    party.protect(np.ones(5), round=1, group=["a", "b"], key="h")
+    party.idle()
+    assert slept == [0.25] and party.public.ready_zeros == 1
+
+
+def test_a_contribution_a_sum_could_not_decrypt_is_refused_by_its_party():
+    """Sized for values up to 2^10 from 3 contributors: values up to 2^magnitude_bits / group
+    size pass (and sum correctly even when every contributor is at that limit); a larger one
+    stops the run with the value, the limit and the fix, before anything is encrypted,
+    because CKKS would decrypt such a sum to wrong numbers rather than fail."""
+    from securevfl.errors import RunAborted
+
+    parties, agg, active = _roles()
+    limit = 2.0 ** parties["a"].public.params.magnitude_bits / 2
+    assert limit >= 2.0**10
+    xs = {"a": np.full(7, limit), "b": np.full(7, limit * 0.999)}
+    got = _sum(parties, agg, active, xs, 0)
+    np.testing.assert_allclose(got, xs["a"] + xs["b"], atol=2e-3)
+    with pytest.raises(RunAborted, match=r"'h' is 2050, beyond 2048.*\[secure\] ckks\.magnitude"):
+        parties["a"].protect(np.array([1.0, -limit * 1.001]), round=1, group=["a", "b"], key="h")
+    assert parties["a"]._used == 1  # the refused call encrypted nothing

@@ -62,11 +62,13 @@ def test_the_delay_comes_from_the_environment_and_bad_values_are_refused(monkeyp
 
     monkeypatch.setenv("SECUREVFL_CKKS_PREP_DELAY", "0.01")
     assert secure_sum._prep_delay() == 0.01
+    assert secure_sum._prep_delay(0.0) == 0.01  # the idle mode's delay reads it too
     monkeypatch.delenv("SECUREVFL_CKKS_PREP_DELAY")
-    assert secure_sum._prep_delay() == 0.002
+    assert secure_sum._prep_delay() == 0.002  # the worker thread's default
+    assert secure_sum._prep_delay(0.0) == 0.0  # the idle mode's: its send has gone already
     for bad in ("soon", "-1", "nan", "100"):
         monkeypatch.setenv("SECUREVFL_CKKS_PREP_DELAY", bad)
-        with pytest.raises(ValueError, match="SECUREVFL_CKKS_PREP_DELAY=.*unset it"):
+        with pytest.raises(ValueError, match=r"SECUREVFL_CKKS_PREP_DELAY=.*unset it .*0\.002"):
             secure_sum._prep_delay()
 
 
