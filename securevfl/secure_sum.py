@@ -410,15 +410,14 @@ class CkksParty(PartySumStage):
         there, it would decrypt to wrong numbers. Values up to the configured magnitude
         ([secure] ckks.magnitude, or the method's) always pass: the parameters were sized for
         every party's and the active party's value at that bound."""
-        from securevfl.errors import RunAborted
-
-        limit = 2.0 ** self.public.params.magnitude_bits / max(len(group), 1)
+        limit = 2.0**self.public.params.magnitude_bits / max(len(group), 1)
         if flat.size == 0:
             return
         peak = float(np.max(np.abs(flat)))
         if peak > limit:  # NaN and infinities are refused by the encryption itself
-            raise RunAborted(
-                f"{self.s.name}: a value of its contribution to the CKKS sum {key!r} is "
+            # a failure of this party (reported to the aggregator, which stops every role)
+            raise ValueError(
+                f"a value of this party's contribution to the CKKS sum {key!r} is "
                 f"{peak:.4g}, beyond {limit:.4g}, the most each of {len(group)} contributions "
                 "may carry for the sum to decrypt correctly with this run's parameters (sized "
                 "from [secure] ckks.magnitude, or the method's declared magnitude); set a "
