@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from securevfl.demo import prepare_demo
-from tests.securevfl.conftest import kill_role_after_epoch, securevfl_cli, write_toml
+from tests.securevfl.conftest import (
+    kill_role_after_epoch,
+    permissive_policy,
+    securevfl_cli,
+    write_toml,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -210,3 +215,22 @@ def test_party_with_unknown_key_is_refused_and_logged(small_federation):
     log = (d / "agg" / "logs" / "aggregator.log").read_text()
     assert "not in the federation allowlist" in log
     assert agg.returncode != 0 and "did not connect" in agg_err
+
+
+def test_a_ckks_value_beyond_the_declared_magnitude_stops_the_run_with_the_fix(small_federation):
+    """CKKS decrypts a sum past its modulus to wrong numbers rather than failing, so a party
+    refuses to encrypt a value the sized parameters cannot carry: declared far too small here
+    (`[secure] ckks.magnitude = 0.01`), the run stops at once, every role, and the active
+    party names the value, the limit and the fix."""
+    raw, d = small_federation
+    raw["run"]["aggregation"] = "ckks"
+    raw.setdefault("secure", {})["ckks"] = {"magnitude": 0.01}
+    raw["train"].update({"epochs": 1})
+    config = write_toml(permissive_policy(raw), d / "config.toml")
+    done = securevfl_cli("run", str(config), "--out", str(d / "run"), timeout=240)
+    assert done.returncode != 0
+    assert "contribution to the CKKS sum" in done.stderr
+    assert "set a larger [secure] ckks.magnitude" in done.stderr
+    assert "securevfl active:" in done.stderr and "failed: ValueError" in done.stderr
+    assert "no heartbeat" not in done.stderr  # reported, not noticed as a lost peer
+    assert not (d / "run" / "metrics.json").exists()
