@@ -370,13 +370,40 @@ def _check_uint(what: str, value: Any, maximum: int) -> None:
 
 
 def _check_plain(value: Any, where: str, depth: int) -> None:
+    """Refuse meta that is not plain data, naming where. The check runs on every message, so
+    the common case (it is plain) takes `_is_plain`, which builds no path strings; only a
+    refusal walks again with them (`_refuse_unplain`)."""
+    if not _is_plain(value, depth):
+        _refuse_unplain(value, where, depth)
+
+
+def _is_plain(value: Any, depth: int) -> bool:
+    """Whether `_refuse_unplain` would accept `value` (the same rules, no messages)."""
+    if depth > MAX_META_DEPTH:
+        return False
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return True
+    if isinstance(value, list | tuple):
+        for item in value:
+            if not _is_plain(item, depth + 1):
+                return False
+        return True
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str) or not _is_plain(item, depth + 1):
+                return False
+        return True
+    return False
+
+
+def _refuse_unplain(value: Any, where: str, depth: int) -> None:
     if depth > MAX_META_DEPTH:
         raise EnvelopeError(f"{where} is nested deeper than {MAX_META_DEPTH} levels")
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return
     if isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]", depth + 1)
+            _refuse_unplain(item, f"{where}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
@@ -384,7 +411,7 @@ def _check_plain(value: Any, where: str, depth: int) -> None:
                 raise EnvelopeError(
                     f"{where} has a key of type {type(key).__name__}; keys must be str"
                 )
-            _check_plain(item, f"{where}[{quote(key, 40)}]", depth + 1)
+            _refuse_unplain(item, f"{where}[{quote(key, 40)}]", depth + 1)
         return
     raise EnvelopeError(
         f"{where} is a {type(value).__name__}; meta holds only str, int, float, bool, None, "

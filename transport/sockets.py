@@ -27,7 +27,13 @@ def readable(socket: zmq.Socket) -> bool:
     """Whether a message is waiting on `socket` (its ZMQ_EVENTS; no system call, no exception:
     a drain loop asks this instead of catching ``zmq.Again`` from a non-blocking receive, whose
     exception costs more than the check on every call of a busy round)."""
-    return bool(socket.get(zmq.EVENTS) & zmq.POLLIN)
+    return bool(socket.get(_EVENTS) & _POLLIN)
+
+
+# plain ints: pyzmq's option and flag enums cost an Enum call per `&` (a drain loop asks this
+# several times a message)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def is_inproc(endpoint: str) -> bool:

@@ -287,3 +287,44 @@ def test_the_mutations_reach_the_issues_crash_class():
         except EnvelopeError as exc:
             hits += "zero dimensions count as 1" in exc.reason
     assert hits > 0
+
+
+_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    # what meta must refuse: NumPy scalars, sets, objects
+    st.sampled_from([np.float32(1.0), np.int64(2), frozenset({1}), object(), {1, 2}]),
+)
+_META_LIKE = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.tuples(inner, inner),
+        st.dictionaries(st.one_of(st.text(max_size=2), st.integers(0, 3)), inner, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+@fast(400)
+@given(value=_META_LIKE, depth=st.integers(0, 12))
+def test_the_fast_plain_check_agrees_with_the_one_that_names_the_place(value, depth) -> None:
+    """Meta is checked on every message by a walk that builds no path strings; only a refusal
+    walks again to name the place. Both must accept exactly the same values (any nesting,
+    NumPy scalars, sets, non-str keys, depth beyond the limit)."""
+    from transport import envelope as E
+
+    try:
+        E._refuse_unplain(value, "meta", depth)
+        refused = None
+    except EnvelopeError as exc:
+        refused = exc
+    assert E._is_plain(value, depth) == (refused is None)
+    if refused is not None:
+        with pytest.raises(EnvelopeError) as again:
+            E._check_plain(value, "meta", depth)
+        assert str(again.value) == str(refused)  # the same message, naming the same place
