@@ -879,21 +879,30 @@ class _CkksCodec:
                 f"{what} is in the raw format, which this SEAL binding cannot load (its memory "
                 f"layout is not the one checked for); ask the sender to set {WIRE_ENV}=seal."
             )
-        return self.ciphertext_of(self._raw_coefficients(body, what=what))
+        ct = self._blank()
+        self._raw_coefficients(body, what=what, out=access.view(ct))  # into SEAL's memory
+        return ct
+
+    def _blank(self) -> Any:
+        """A SEAL ciphertext with this context's metadata, its coefficients to be written."""
+        ct = sealapi.Ciphertext(self.seal)
+        self.evaluator.negate(self._template, ct)
+        return ct
 
     def ciphertext_of(self, coeffs: np.ndarray) -> Any:
         """A SEAL ciphertext holding (2, primes, degree) coefficients already checked."""
         access = self._raw_access()
         assert access is not None
-        ct = sealapi.Ciphertext(self.seal)
-        self.evaluator.negate(self._template, ct)  # a ciphertext with the right metadata
+        ct = self._blank()
         access.view(ct)[...] = coeffs
         return ct
 
-    def _raw_coefficients(self, body: memoryview, *, what: str) -> np.ndarray:
+    def _raw_coefficients(
+        self, body: memoryview, *, what: str, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """The (2 polynomials, primes, degree) uint64 coefficients of a raw chunk's body,
         checked as SEAL's loader would: the length, the parms_id, every coefficient below its
-        prime."""
+        prime; written into `out` when given (a ciphertext's own buffer)."""
         if body.nbytes != self._raw_body_bytes or bytes(body[4:36]) != self._parms_id_bytes:
             raise CkksError(
                 f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
@@ -901,16 +910,17 @@ class _CkksCodec:
                 "another parms_id."
             )
         n = self._params.poly_modulus_degree
-        coeffs = np.empty((2, len(self._moduli), n), dtype=np.uint64)
+        coeffs = np.empty((2, len(self._moduli), n), dtype=np.uint64) if out is None else out
         offset = len(_RAW_MAGIC) + 32
         padded = bytearray(body.nbytes + 8)  # 8-byte reads of the last coefficient stay inside
         padded[: body.nbytes] = body
         for i, (width, q) in enumerate(zip(self._prime_bytes, self._moduli, strict=True)):
             # each coefficient read as the 8 bytes where it starts, then cut to its width
-            values = np.ndarray(
+            words = np.ndarray(
                 (2, n), dtype="<u8", buffer=padded, offset=offset, strides=(n * width, width)
             )
-            values = values & np.uint64((1 << (8 * width)) - 1)
+            values = coeffs[:, i, :]
+            np.bitwise_and(words, np.uint64((1 << (8 * width)) - 1), out=values)
             offset += 2 * n * width
             if int(values.max()) >= q:
                 raise CkksError(
@@ -918,7 +928,6 @@ class _CkksCodec:
                     "corrupted or made with other parameters): a coefficient is not below its "
                     "prime."
                 )
-            coeffs[:, i, :] = values
         return coeffs
 
     def load_coefficients(
