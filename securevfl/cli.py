@@ -430,7 +430,7 @@ def _align(args: argparse.Namespace) -> int:
         return P.EXIT_OK
     from securevfl.data.table import split_federation
     from securevfl.keys import generate_keys
-    from securevfl.launcher import ENDPOINT_FILE, LOCAL_ANY
+    from securevfl.launcher import LOCAL_ANY, rendezvous
 
     files = split_federation(cfg, out / "source")
     keys = out / "keys"
@@ -448,15 +448,13 @@ def _align(args: argparse.Namespace) -> int:
         str(keys),
     ]
     # the label holder binds a port the kernel picks and writes it; the parties read it
-    endpoint = out / ENDPOINT_FILE
-    endpoint.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != P.ENDPOINT_FILE_ENV}
+    endpoint, binder_env, others_env = rendezvous(out, os.environ)
     procs = [
         subprocess.Popen(
             [*base, "--role", r, "--data", str(files[r]), "--bind", LOCAL_ANY]
             if r == cfg.active_name
             else [*base, "--role", r, "--data", str(files[r]), "--address-file", str(endpoint)],
-            env={**env, P.ENDPOINT_FILE_ENV: str(endpoint)} if r == cfg.active_name else env,
+            env=binder_env if r == cfg.active_name else others_env,
         )
         for r in cfg.role_names
     ]

@@ -50,6 +50,17 @@ LOCAL_ANY = "tcp://127.0.0.1:0"
 ENDPOINT_FILE = "endpoint.txt"
 
 
+def rendezvous(out: Path, env: Mapping[str, str]) -> tuple[Path, dict[str, str], dict[str, str]]:
+    """How the roles of a run started on this machine find the one that binds: the endpoint
+    file in `out` (a stale one removed), the binding role's environment (told to write its
+    address there, `securevfl.roles.protocol.announce_endpoint`) and every other role's (told
+    nothing; they are given the file, `await_address`)."""
+    endpoint = out / ENDPOINT_FILE
+    endpoint.unlink(missing_ok=True)
+    others = {k: v for k, v in env.items() if k != P.ENDPOINT_FILE_ENV}
+    return endpoint, {**others, P.ENDPOINT_FILE_ENV: str(endpoint)}, others
+
+
 def await_address(path: Path, *, timeout: float) -> str:
     """The address the binding role wrote to `path` (`securevfl.roles.protocol.
     announce_endpoint`), waiting up to `timeout` seconds for it; refuses (RunAborted) a file
@@ -200,13 +211,13 @@ def role_commands(
     overrides: Sequence[str] = (),
     data: Mapping[str, Path] | None = None,
     predictions: Path | None = None,
-    address_file: Path | None = None,
+    local: bool = False,
 ) -> dict[str, list[str]]:
     """The command of every role; with `predictions`, the roles score (`data`: the new rows of
     each role) instead of training. With [network] aggregator_in_active there is no aggregator
     command: the active party's process runs the aggregator (a thread binding `address`).
-    With `address_file` (the local launcher), the role that binds listens on `address` (e.g.
-    `LOCAL_ANY`) and the others read where it listens from that file."""
+    `local` (the local launcher): the role that binds listens on `address` (e.g. `LOCAL_ANY`)
+    and the others read where it listens from `out`'s endpoint file (`rendezvous`)."""
     base = [sys.executable, "-m", "securevfl"]
     common = ["--config", str(config_path), "--out", str(out), "--keys", str(keys)]
     for o in overrides:
@@ -227,13 +238,13 @@ def role_commands(
         ]
     # aggregator_in_active: the active party's aggregator thread binds `address` itself
     colocated = ["--set", f"network.bind={json.dumps(address)}"] if cfg.aggregator_in_active else []
-    connect = ["--address-file", str(address_file)] if address_file else ["--address", address]
+    connect = ["--address-file", str(out / ENDPOINT_FILE)] if local else ["--address", address]
     cmds[cfg.active_name] = [
         *base,
         "active",
         *common,
         *colocated,
-        *(connect if not (address_file and cfg.aggregator_in_active) else []),
+        *(connect if not (local and cfg.aggregator_in_active) else []),
         "--data",
         str(data[cfg.active_name]),
         *extra,
@@ -292,7 +303,7 @@ def launch(
         address=LOCAL_ANY,
         resume=resume,
         overrides=override_args,
-        address_file=out / ENDPOINT_FILE,
+        local=True,
     )
     return _start(cmds, cfg, out, stdout, env=env)
 
@@ -307,17 +318,14 @@ def _start(
 ) -> int:
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", "1")  # many small processes share the cores
-    child_env.pop(P.ENDPOINT_FILE_ENV, None)
     # the role that binds (port 0: the kernel picks a free one) writes where it listens; the
     # others, started at once, read it when they are ready to connect (`await_address`)
-    (out / ENDPOINT_FILE).unlink(missing_ok=True)
+    _, binder_env, others_env = rendezvous(out, child_env)
     binder = "aggregator" if "aggregator" in cmds else cfg.active_name
     procs: list[RoleProcess] = []
     for role, cmd in cmds.items():
         is_active = role == cfg.active_name
-        role_env = child_env
-        if role == binder:
-            role_env = {**child_env, P.ENDPOINT_FILE_ENV: str(out / ENDPOINT_FILE)}
+        role_env = binder_env if role == binder else others_env
         procs.append(
             RoleProcess(
                 role,
@@ -442,6 +450,6 @@ def score_rows(
         overrides=overrides,
         data=files,
         predictions=predictions,
-        address_file=run_dir / ENDPOINT_FILE,
+        local=True,
     )
     return _start(cmds, cfg, run_dir, stdout)
