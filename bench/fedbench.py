@@ -170,6 +170,18 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def role_environment(pythonpath: str | None = None) -> tuple[dict[str, str], Path]:
+    """The environment and working directory of a benchmark's role processes: one BLAS/OpenMP
+    thread each (as `securevfl run`: many processes, 2 cores), and securevfl imported from
+    `pythonpath` (an older copy of the code) or else from this tree. The working directory is
+    that tree, because `python -m` puts the working directory ahead of PYTHONPATH on the import
+    path: started from another checkout, the roles would import that checkout's code instead."""
+    tree = Path(pythonpath).resolve() if pythonpath is not None else REPO
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
+    return env, tree
+
+
 def run_federation(
     prep: Prepared,
     raw: Mapping[str, Any],
@@ -206,10 +218,10 @@ def run_federation(
         cfg_path,
         cfg,
         out=out,
-        keys=prep.keys,
+        keys=Path(prep.keys).resolve(),  # the roles run in the code's tree (role_environment)
         address=address,
         resume=False,
-        data=prep.files,
+        data={role: Path(path).resolve() for role, path in prep.files.items()},
     )
     if "aggregator" in cmds:
         agg = list(cmds["aggregator"])
@@ -219,9 +231,7 @@ def run_federation(
         cmds[cfg.active_name] += ["--set", f"network.bind={json.dumps(real)}"]
     for role, cmd in cmds.items():  # one directory per role, as on separate hosts
         cmd[cmd.index("--out") + 1] = str(out / role)
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # as `securevfl run`: many processes, 2 cores
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
+    env, cwd = role_environment(pythonpath)
     load_before = loadavg()
     started = time.perf_counter()
     procs: dict[str, subprocess.Popen] = {}
@@ -229,7 +239,9 @@ def run_federation(
     log = (out / "roles.out").open("w")
     try:
         for role, cmd in cmds.items():
-            procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs[role] = subprocess.Popen(
+                cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+            )
             if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
                 time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
         killed = _supervise(procs, reaped, timeout=timeout)

@@ -368,3 +368,30 @@ def test_readme_block_links_plots_from_the_readme_folder(tmp_path: Path, monkeyp
     got = R.readme_block({"suites": {}}, out, tmp_path / "README.md")
     assert "#### GPU" in got
     assert "![x](results/r2/plot.png) and ![y](other/keep.png)" in got
+
+
+def test_benchmark_roles_import_the_code_of_the_tree_they_are_given(tmp_path: Path) -> None:
+    """`run_federation(pythonpath=TREE)` compares an older copy of the code: its roles (started
+    with `python -m securevfl`, which puts the working directory first on the import path) must
+    import that copy even when the benchmark runs from this checkout, and this checkout's code
+    when no tree is given."""
+    import subprocess
+
+    old = tmp_path / "old"
+    (old / "securevfl").mkdir(parents=True)
+    (old / "securevfl" / "__init__.py").write_text("")
+    (old / "securevfl" / "__main__.py").write_text("import securevfl; print(securevfl.__file__)")
+    repo = Path(__file__).resolve().parents[2]
+    env, cwd = F.role_environment(str(old))
+    assert env["OMP_NUM_THREADS"] == "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl"],
+        env=env, cwd=cwd, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    assert Path(done.stdout.strip()).resolve() == old / "securevfl" / "__init__.py"
+    env, cwd = F.role_environment(None)
+    probe = "import securevfl, sys; sys.stdout.write(securevfl.__file__)"
+    here = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True, check=True
+    )
+    assert Path(here.stdout).resolve().is_relative_to(repo)
