@@ -8,13 +8,14 @@ federation's epoch clock stops before its per-epoch checkpoint round and restart
 evaluation runs after training on both sides, untimed). Arms, centralised runs and party counts
 are interleaved in every repeat so that a change in the machine's load hits them alike.
 
-    python bench/fed_central.py [--rows 10000] [--parties 2,4,8] [--epochs 3] [--repeats 2]
-        [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
+    python bench/fed_central.py [--rows 10000 | --data credit_default.csv] [--parties 2,4,8]
+        [--epochs 3] [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
 
 An arm runs the roles with PYTHONPATH=TREE (a copy of the code, e.g. `git archive HEAD`, to
 compare an older version) and the config overrides KEY=VALUE (e.g.
-network.aggregator_in_active=true). Default arms: `plain` (this tree) and `plain+aia` (this tree,
-the aggregator in the active party's process).
+network.aggregator_in_active=true, run.aggregation=mask) or, for an upper-case KEY without a
+dot, the roles' environment variable KEY (e.g. SECUREVFL_OVERLAP_SUMS=1). Default arms:
+`plain` (this tree) and `plain+aia` (this tree, the aggregator in the active party's process).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import fedbench as F  # noqa: E402
 
 
 def parse_arm(text: str) -> tuple[str, str | None, dict[str, Any]]:
-    """NAME=TREE[:section.key=value,...] -> (name, tree or None for this one, overrides)."""
+    """NAME=TREE[:section.key=value,...,ENV_VAR=value,...] -> (name, tree or None for this one,
+    overrides); an upper-case key without a dot is an environment variable of the roles."""
     name, sep, rest = text.partition("=")
     if not sep or not name:
         raise SystemExit(f"--arm {text!r}: expected NAME=TREE[:section.key=value,...]")
@@ -44,17 +46,29 @@ def parse_arm(text: str) -> tuple[str, str | None, dict[str, Any]]:
     overrides: dict[str, Any] = {}
     for pair in filter(None, opts.split(",")):
         key, sep, value = pair.partition("=")
+        if sep and key.isupper() and "." not in key:
+            overrides[key] = value
+            continue
         if not sep or "." not in key:
-            raise SystemExit(f"--arm {text!r}: override {pair!r} is not section.key=value")
+            raise SystemExit(
+                f"--arm {text!r}: override {pair!r} is not section.key=value or ENV_VAR=value"
+            )
         overrides[key] = (
             json.loads(value) if value in ("true", "false") or value.isdigit() else value
         )
     return name, (None if tree in ("", ".") else str(Path(tree).resolve())), overrides
 
 
+def environment_of(overrides: dict[str, Any]) -> dict[str, str]:
+    """The overrides that are environment variables (upper-case, no dot)."""
+    return {k: str(v) for k, v in overrides.items() if k.isupper() and "." not in k}
+
+
 def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = json.loads(json.dumps(raw))
     for key, value in overrides.items():
+        if key in environment_of(overrides):
+            continue
         section, _, name = key.partition(".")
         out.setdefault(section, {})[name] = value
     return out
@@ -68,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--arm", action="append", default=[])
+    ap.add_argument(
+        "--data", type=Path, default=None, help="Credit's CSV instead of synthetic rows (--rows)"
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-fed-central"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -80,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     preps = {}
     for k in ks:
-        ds = F.synthetic(args.work / "tables", rows=args.rows, parties=k)
+        ds = (
+            F.synthetic(args.work / "tables", rows=args.rows, parties=k)
+            if args.data is None
+            else F.credit(args.data, parties=k)
+        )
         preps[k] = F.prepare(ds, args.work)
     for rep in range(args.repeats):
         for k in ks:
@@ -98,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     with_overrides(raw, overrides),
                     args.work / f"r{rep}-k{k}-{name}",
                     pythonpath=tree,
+                    env=environment_of(overrides),
                 )
                 r.update(arm=name, repeat=rep, tree=tree or "this", overrides=overrides)
                 runs.append(r)

@@ -170,14 +170,17 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def role_environment(pythonpath: str | None = None) -> tuple[dict[str, str], Path]:
+def role_environment(
+    pythonpath: str | None = None, extra: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], Path]:
     """The environment and working directory of a benchmark's role processes: one BLAS/OpenMP
     thread each (as `securevfl run`: many processes, 2 cores), and securevfl imported from
     `pythonpath` (an older copy of the code) or else from this tree. The working directory is
     that tree, because `python -m` puts the working directory ahead of PYTHONPATH on the import
-    path: started from another checkout, the roles would import that checkout's code instead."""
+    path: started from another checkout, the roles would import that checkout's code instead.
+    `extra`: variables set for the roles only (e.g. a SECUREVFL_ switch an arm compares)."""
     tree = Path(pythonpath).resolve() if pythonpath is not None else REPO
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **dict(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     return env, tree
 
@@ -191,6 +194,7 @@ def run_federation(
     mbit: float = 0.0,
     timeout: float = 1800.0,
     pythonpath: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """One training run: the roles `securevfl run` would start (same commands), the aggregator
     binding its real port and, with `rtt_ms`, every other role connecting through a `WanProxy`
@@ -198,8 +202,9 @@ def run_federation(
     aggregator_in_active there is no aggregator process: the active party's process binds the
     real port (its own aggregator thread) and the parties connect through the proxy, if any.
     `pythonpath`: the roles import securevfl from there (e.g. an older copy of the code, to
-    compare it side by side). Returns metrics.json's epoch times, test metrics and bytes, each
-    role's peak RSS and CPU seconds (from wait4), the proxy's counters and the load average.
+    compare it side by side); `env`: environment variables of the roles. Returns metrics.json's
+    epoch times, test metrics and bytes, each role's peak RSS and CPU seconds (from wait4), the
+    proxy's counters and the load average.
     Every process it starts is gone when it returns."""
     from securevfl.config import load_config
     from securevfl.launcher import free_port, role_commands
@@ -231,7 +236,7 @@ def run_federation(
         cmds[cfg.active_name] += ["--set", f"network.bind={json.dumps(real)}"]
     for role, cmd in cmds.items():  # one directory per role, as on separate hosts
         cmd[cmd.index("--out") + 1] = str(out / role)
-    env, cwd = role_environment(pythonpath)
+    env, cwd = role_environment(pythonpath, env)
     load_before = loadavg()
     started = time.perf_counter()
     procs: dict[str, subprocess.Popen] = {}

@@ -395,3 +395,19 @@ def test_benchmark_roles_import_the_code_of_the_tree_they_are_given(tmp_path: Pa
         [sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True, check=True
     )
     assert Path(here.stdout).resolve().is_relative_to(repo)
+
+
+def test_a_benchmark_arm_names_its_tree_config_overrides_and_role_environment() -> None:
+    import fed_central as FC
+
+    name, tree, overrides = FC.parse_arm(
+        "overlap=.:run.aggregation=mask,network.pipeline_depth=2,SECUREVFL_OVERLAP_SUMS=1"
+    )
+    assert (name, tree) == ("overlap", None)
+    assert FC.environment_of(overrides) == {"SECUREVFL_OVERLAP_SUMS": "1"}
+    raw = FC.with_overrides({"run": {"aggregation": "plain"}}, overrides)
+    assert raw == {"run": {"aggregation": "mask"}, "network": {"pipeline_depth": 2}}
+    env, _ = F.role_environment(None, FC.environment_of(overrides))
+    assert env["SECUREVFL_OVERLAP_SUMS"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(SystemExit, match="ENV_VAR=value"):
+        FC.parse_arm("bad=.:aggregation")
