@@ -77,6 +77,7 @@ class PartyTable:
     levels: dict[str, list[str]] = field(default_factory=dict)  # categorical: values seen
     where: str = "table"
     matrix: np.ndarray | None = None  # float64 [n_rows, n_columns]: the encoded rows, in memory
+    source: str | None = None  # the file it was read from: resolved path, size, mtime (ns)
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int64)
@@ -570,7 +571,14 @@ def load_party_table(
         cache_dir=cache_dir,
         chunk_bytes=chunk_bytes,
     )
-    return _make(PartyTable, loaded, party.columns, categorical=categorical_encoding(cfg, role))
+    stat = Path(path).stat()
+    return _make(
+        PartyTable,
+        loaded,
+        party.columns,
+        categorical=categorical_encoding(cfg, role),
+        source=f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}",
+    )
 
 
 def load_active_table(

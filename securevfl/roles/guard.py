@@ -14,8 +14,12 @@ releases anything.
   passive parties of the party's own config, includes the party, and has at least the policy's
   `min_group` of them; the active party and the aggregator never count.
 * **No differencing within a model version.** For each row, the sums a party contributes the
-  same value to (same tensor, no model update in between) must not combine linearly into a sum
-  over fewer than `min_group` passive parties (`FamilyGuard`). With embedding DP each call's
+  same value to (same tensor, same model version) must not combine linearly into a sum over
+  fewer than `min_group` passive parties (`FamilyGuard`). The version is what the contributions
+  are a function of: the model's weights (`model_digest`) and the session's data
+  (`data_identity`), not a count of updates; what was summed at each version is kept on the
+  party's disk (`FamilyLog`), so that an update that moved nothing, restored weights and later
+  sessions at the same weights and data are held to it. With embedding DP each call's
   contribution carries fresh noise, so only the sums of one call are checked together.
 
 A refusal is a `PolicyRefusal` naming the rule; the party records it in the ledger and either
@@ -27,7 +31,10 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping, Sequence
+import os
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -121,6 +128,8 @@ class FamilyGuard:
         parties."""
         ids = np.asarray(ids, dtype=np.int64)
         groups = tuple(dict.fromkeys(groups))
+        if len(ids) == 0:
+            return None
         known = self._tensors.setdefault(tensor, _Families())
         found = known.find(ids)  # (block, positions in it, mask over ids) per block hit
         which = np.zeros(len(ids), dtype=np.int64)  # each row's family (0: none yet)
@@ -188,6 +197,143 @@ class _Families:
             self.blocks[-1] = (ids[order], np.concatenate([fa, fb])[order])
 
 
+# ----------------------------------------------------------------------- model versions
+
+
+class FamilyLog:
+    """What a party summed, kept on its own disk per model version, so that the differencing
+    rule holds across sessions: a `securevfl predict` or `--resume` session, or a fresh run
+    whose seeded model starts where an earlier one did, finds the model's weights (its
+    version, `model_digest`) again and with them every sum of that version already released.
+    The same holds within a session for an update that leaves the weights as they were (a
+    zero gradient) or brings back earlier ones (restoring a best model): the version is the
+    weights, not a count of updates.
+
+    An append-only file of records (version, tensor, groups, ids), each written before the
+    contribution it admits leaves the party (the page cache keeps it if the process is killed;
+    a record cut short by a crash is dropped on opening, as its contribution never left).
+    Costs 8 bytes a row a call on disk and nothing in memory but an index of offsets."""
+
+    _HEAD = struct.Struct("<II")  # header bytes, id count
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._index: dict[bytes, list[int]] = {}
+        self._file = self.path.open("a+b")
+        self._file.seek(0)
+        end = 0
+        while True:
+            head = self._file.read(self._HEAD.size)
+            if len(head) < self._HEAD.size:
+                break
+            hbytes, count = self._HEAD.unpack(head)
+            header = self._file.read(hbytes)
+            self._file.seek(8 * count, 1)
+            if len(header) < hbytes or self._file.tell() > os.fstat(self._file.fileno()).st_size:
+                break
+            version = msgpack.unpackb(header, raw=False)["v"]
+            self._index.setdefault(bytes.fromhex(version), []).append(end)
+            end = self._file.tell()
+        self._file.truncate(end)  # a record cut short by a crash: its contribution never left
+        self._file.seek(0, 2)
+
+    def append(
+        self, version: bytes, tensor: str, groups: Iterable[frozenset[str]], ids: np.ndarray
+    ) -> None:
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        header = msgpack.packb(
+            {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}, use_bin_type=True
+        )
+        offset = self._file.seek(0, 2)
+        self._file.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
+        self._file.flush()  # in the page cache before the contribution is released
+        self._index.setdefault(version, []).append(offset)
+
+    def records(self, version: bytes) -> Iterator[tuple[str, list[frozenset[str]], np.ndarray]]:
+        """(tensor, groups, ids) of every record of `version`, in the order they were written."""
+        for offset in self._index.get(version, ()):
+            self._file.seek(offset)
+            hbytes, count = self._HEAD.unpack(self._file.read(self._HEAD.size))
+            header = msgpack.unpackb(self._file.read(hbytes), raw=False)
+            ids = np.frombuffer(self._file.read(8 * count), dtype="<i8").astype(np.int64)
+            yield header["t"], [frozenset(g) for g in header["g"]], ids
+        self._file.seek(0, 2)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_RAW_DIGEST_VALUES = 1 << 16  # CPU tensors up to this size are hashed byte for byte
+
+
+def model_digest(method: Any) -> bytes | None:
+    """The version of a party's model: a digest of the parameters and buffers of every torch
+    module the party's method holds (attributes, and lists, tuples or dicts of them); None for
+    a method without one (its updates then count as new versions, as before). Equal weights
+    give equal digests, in any process and with any thread count: a small CPU tensor is hashed
+    byte for byte; a large or GPU one by integer sums of its bytes read as integers (exact and
+    independent of the order of summation; one device sync for all). Two different weights
+    that share a digest only make the party refuse more, never less."""
+    from securevfl.lazy import torch
+
+    found: dict[int, Any] = {}
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.nn.Module):
+            found.setdefault(id(value), value)
+        elif depth < 2 and isinstance(value, list | tuple):
+            for item in value:
+                visit(item, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+
+    for value in vars(method).values():
+        visit(value, 0)
+    if not found:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    seen: set[int] = set()
+    stats = []
+    for module in found.values():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t = t.detach()
+            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+            ints = _INT_VIEW.get(t.element_size())
+            if (t.device.type == "cpu" and t.numel() <= _RAW_DIGEST_VALUES) or ints is None:
+                h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            else:  # its bytes as integers: an exact sum in any order
+                v = t.contiguous().reshape(-1).view(getattr(torch, ints))
+                stats.append(v.sum(dtype=torch.int64))
+    if stats:
+        h.update(torch.stack(stats).cpu().numpy().tobytes())
+    return h.digest()
+
+
+_INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # element size -> integer view
+
+
+def data_identity(table: Any) -> bytes:
+    """What a party's rows are this session: its file (resolved path, size, modification time)
+    or, for a table made in memory, a digest of its ids and values. Sums of the same ids from
+    another file are of other values, so another model version for the differencing rule."""
+    source = getattr(table, "source", None)
+    if source is not None:
+        return hashlib.blake2b(source.encode(), digest_size=16).digest()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(table.ids, dtype=np.int64))
+    values = getattr(table, "matrix", None)
+    if values is None:
+        values = getattr(getattr(table, "rowstore", None), "numbers", None)
+    if values is not None:
+        h.update(np.ascontiguousarray(values))
+    return h.digest()
+
+
 # ------------------------------------------------------------------------------------ the guard
 
 
@@ -220,6 +366,9 @@ class CallGuard:
         secure = cfg.aggregation != "plain"
         self.families = FamilyGuard(min_group=self.policy.min_group) if secure else None
         self.fresh_noise = cfg.party(name).embedding_dp is not None
+        # the model's version (`model_digest`) and what was summed at each (`FamilyLog`)
+        self.log: FamilyLog | None = None
+        self.version: bytes | None = None
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
     def refuse(self, rule: str, detail: str) -> PolicyRefusal:
@@ -307,6 +456,8 @@ class CallGuard:
                 reason = self.families.admit(tensor, call.ids, groups)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
+                if self.log is not None and self.version is not None and not self.fresh_noise:
+                    self.log.append(self.version, tensor, groups, call.ids)
 
     def check_fused(self, calls: Sequence[Any]) -> None:
         """A fused envelope (several calls run in order) may carry only consecutive calls the
@@ -323,11 +474,39 @@ class CallGuard:
                     f"only {declared} share one; nothing was run",
                 )
 
-    def after(self, call: Any) -> None:
-        """Note a model update: sums after it are of a new model version."""
+    def attach(self, log_path: Path, version: bytes | None) -> None:
+        """At set-up, once the model is loaded: keep what is summed per model version in
+        `log_path` (this party's own disk), and start at `version` with every sum already
+        released at it, in this session or an earlier one."""
+        if self.families is None or self.fresh_noise:
+            return  # nothing summed securely, or fresh noise in every call: nothing to keep
+        if self.log is not None:
+            self.log.close()
+        self.log = FamilyLog(log_path)
+        self._use_version(version)
+
+    def after(self, call: Any, *, digest: Any = None) -> None:
+        """Note a model update: sums after it are of a new model version if the weights changed
+        (`digest()`: their `model_digest`, None when the method holds no torch module: then
+        every update starts a new version). An update that left the weights as they were keeps
+        the version and its sums; one that brought back earlier weights returns to theirs."""
         op = self.spec.operation(call.op)
-        if self.families is not None and op is not None and op.updates:
+        if self.families is None or op is None or not op.updates:
+            return
+        version = digest() if digest is not None else None
+        if version is None:
             self.families.new_version()
+            self.version = None
+        elif version != self.version:
+            self._use_version(version)
+
+    def _use_version(self, version: bytes | None) -> None:
+        self.families.new_version()
+        self.version = version
+        if self.log is None or version is None:
+            return
+        for tensor, groups, ids in self.log.records(version):
+            self.families.admit(tensor, ids, groups)  # admitted before, in this order
 
     def _check_group(self, group: Sequence[str], key: str) -> None:
         members = list(group)

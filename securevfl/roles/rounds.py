@@ -21,6 +21,7 @@ combine only that round's contributions (its own masks).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -298,6 +299,7 @@ class PartyRound:
         self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
         self.overlap = overlaps_sums(cfg)
         self._widths: dict[tuple[str, str], int] = {}  # values per row of each op's sums
+        self._data_identity: bytes | None = None  # of this session's table (`_model_digest`)
         self.device_time: Any = None  # a `DeviceClock` where the models run on a GPU
 
     def answer(self, env: Envelope) -> Envelope:
@@ -333,8 +335,20 @@ class PartyRound:
                 tensors.update(out)
                 shapes.update(sizes)
                 self.calls_since_commit += 1
-            self.guard.after(call)
+            self.guard.after(call, digest=self._model_digest)
         return self._reply(calls[-1], tensors, shapes)
+
+    def _model_digest(self) -> bytes | None:
+        """The version of what this party contributes: its model's weights and its data (the
+        file it read this session: scoring another file is another version)."""
+        from securevfl.roles.guard import data_identity, model_digest
+
+        weights = model_digest(self.method)
+        if weights is None:
+            return None
+        if self._data_identity is None:
+            self._data_identity = data_identity(self.method.table)
+        return hashlib.blake2b(weights + self._data_identity, digest_size=16).digest()
 
     def _check(self, call: Call) -> None:
         """The guard's checks and the method's own rule on one call, before it runs."""
@@ -424,6 +438,10 @@ class PartyRound:
             self.logger.info("resumed from the checkpoint of epoch %d", resume_epoch)
         self.privacy.epoch = resume_epoch + 1
         self.committed_epoch, self.calls_since_commit = resume_epoch, 0
+        # the differencing rule across sessions: the sums of this model's version so far
+        self.guard.attach(
+            self.run_dir / "guard" / f"{self.name}-families.log", self._model_digest()
+        )
         if announced is not None:  # answered part by part (setup.present)
             return {}
         # which of the active party's rows this party holds (what a PSI would tell it)

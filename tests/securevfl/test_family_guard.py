@@ -90,3 +90,79 @@ def test_disjoint_calls_keep_logarithmically_many_blocks():
     assert all(np.all(np.diff(b) > 0) for b, _ in blocks)
     # a row seen in the first call is still found: a subset of the group is refused for it
     assert guard.admit("rep", order[:1], [frozenset(("p1", "p2", "p3"))]) is not None
+
+
+def _bare_guard(min_group: int = 2):
+    """A `CallGuard` with only what the model-version bookkeeping reads."""
+    from securevfl.methods import method_spec
+    from securevfl.roles.guard import CallGuard
+
+    guard = CallGuard.__new__(CallGuard)
+    guard.families = FamilyGuard(min_group=min_group)
+    guard.fresh_noise = False
+    guard.log = None
+    guard.version = None
+    guard.spec = method_spec("splitnn")
+    return guard
+
+
+class _Update:
+    op = "backward"  # split-NN declares it as an update
+
+
+def test_a_model_version_is_its_weights_and_comes_back_with_its_sums(tmp_path):
+    """Weights seen before (an update that moved nothing, a restored best model, a new session
+    loading the same checkpoint) bring back every sum released at them; new weights start
+    empty; a method without a digest keeps the old rule (every update is a new version)."""
+    path = tmp_path / "guard" / "p1-families.log"
+    ids = np.arange(10, dtype=np.int64)
+    whole, pair = frozenset(PARTIES[:3]), frozenset(PARTIES[:2])
+
+    def summed(guard, group) -> bool:
+        reason = guard.families.admit("rep", ids, [group])
+        if reason is None:
+            guard.log.append(guard.version, "rep", [group], ids)
+        return reason is None
+
+    guard = _bare_guard()
+    guard.attach(path, b"A")
+    assert summed(guard, whole)
+    guard.after(_Update(), digest=lambda: b"A")  # the update moved nothing
+    assert not summed(guard, pair)
+    guard.after(_Update(), digest=lambda: b"B")  # new weights: a new version
+    assert summed(guard, pair)
+    guard.after(_Update(), digest=lambda: b"A")  # back to A (e.g. restore_best)
+    assert not summed(guard, pair)
+    guard.after(_Update(), digest=lambda: None)  # no digest: every update is a new version
+    assert guard.version is None and guard.families.admit("rep", ids, [pair]) is None
+    guard.log.close()
+
+    again = _bare_guard()  # another session, its model at A's weights
+    again.attach(path, b"A")
+    assert not summed(again, pair)
+    again.attach(path, b"B")
+    assert not summed(again, whole)  # at B the pair was summed: whole - pair isolates p3
+    again.log.close()
+
+
+def test_the_family_log_drops_a_record_cut_short_and_goes_on(tmp_path):
+    from securevfl.roles.guard import FamilyLog
+
+    path = tmp_path / "families.log"
+    log = FamilyLog(path)
+    log.append(b"v1", "rep", [frozenset(("p1", "p2"))], np.array([3, 1, 2]))
+    log.append(b"v2", "rep", [frozenset(("p1", "p3")), frozenset(("p2", "p3"))], np.arange(5))
+    log.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole[: len(whole) // 3])  # a crash in the middle of a record
+    log = FamilyLog(path)
+    assert path.stat().st_size == len(whole)
+    ((tensor, groups, ids),) = list(log.records(b"v1"))
+    assert tensor == "rep" and groups == [frozenset(("p1", "p2"))] and ids.tolist() == [3, 1, 2]
+    assert [g for _, g, _ in log.records(b"v2")] == [
+        [frozenset(("p1", "p3")), frozenset(("p2", "p3"))]
+    ]
+    log.append(b"v1", "rep", [frozenset(("p2", "p3"))], np.array([7]))
+    assert [i.tolist() for _, _, i in log.records(b"v1")] == [[3, 1, 2], [7]]
+    assert list(log.records(b"unknown")) == []
+    log.close()

@@ -57,14 +57,18 @@ class Attacker:
     """A modified aggregator (the hub every party connects to) that can also speak for a
     modified active party (with the active party's real masking key)."""
 
-    def __init__(self, root: Path, on_refusal: str = "skip") -> None:
-        synthetic_csv(root / "data.csv", n=200)
+    def __init__(self, root: Path, on_refusal: str = "skip", *, again: bool = False) -> None:
+        """`again`: a new session of the federation set up in `root` before (same data, keys
+        and run directory: the parties' own disks)."""
+        if not again:
+            synthetic_csv(root / "data.csv", n=200)
         config = write_toml(federation_raw(on_refusal), root / "config.toml", strict=True)
         self.cfg = load_config(config)
         self.run_dir = root / "run"
-        split_federation(self.cfg, self.run_dir)
         keys = root / "keys"
-        generate_keys(self.cfg.role_names, keys)
+        if not again:
+            split_federation(self.cfg, self.run_dir)
+            generate_keys(self.cfg.role_names, keys)
         public = load_public(keys)
         agg = load_secrets(keys, "aggregator")
         self.active = load_secrets(keys, "active")
@@ -502,3 +506,63 @@ def test_an_abort_reason_from_the_hub_cannot_forge_log_lines(attacker):
     log = (attacker.run_dir / "logs" / "p1.log").read_text()
     assert "stopping\\n" in log
     assert not [line for line in log.splitlines() if line.startswith(forged)]
+
+
+# The tests below start their own parties; they come after every test of the module's shared
+# `attacker`, whose parties would take its silent hub for lost (peer_timeout) while they run.
+
+
+def test_an_update_that_left_the_weights_as_they_were_is_no_new_model_version(tmp_path):
+    """A modified active party sends a backward with a zero gradient (Adam's first step then
+    moves nothing) and asks again for the same rows over fewer parties: the sums would
+    difference to p3's representation exactly. The version is the weights, so the party
+    refuses; after an update that changes them, a sum over another group is a new version's
+    (what the README states as the residual risk across versions)."""
+    a = Attacker(tmp_path)
+    try:
+        assert all(r.kind == P.CONTRIB for r in a.setup().values())
+        rows = a.ids[:40]
+        pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
+
+        def train_step(grad):
+            forward = a.call("forward", ids=rows, args={"train": True}, sums=everything([]))
+            assert all(r.kind == P.CONTRIB for r in forward.values()), forward
+            update = a.call("backward", ids=rows, args={"forward": a.round}, inputs={"grad": grad})
+            assert all(r.kind == P.CONTRIB for r in update.values()), update
+
+        train_step(np.zeros((40, 4), dtype=np.float32))
+        subset = a.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
+        refused(subset, "differencing", parties=("p1", "p2"))
+        train_step(np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32))
+        after = a.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
+        assert all(r.kind == P.CONTRIB for r in after.values()), after
+    finally:
+        a.close()
+
+
+def test_a_new_session_at_the_same_weights_keeps_the_sums_released_before(tmp_path):
+    """The rule across sessions: the sums a party released are kept on its own disk per model
+    version, so a second session whose model has the same weights (here a fresh start with
+    the same seed; equally a `securevfl predict` or `--resume` from one checkpoint) cannot ask
+    for the same rows over fewer parties. Other rows are still served."""
+    rows = np.arange(1, 41, dtype=np.int64)
+    first = Attacker(tmp_path)
+    try:
+        assert all(r.kind == P.CONTRIB for r in first.setup().values())
+        whole = first.call("forward", ids=rows, args={"train": False}, sums=everything([]))
+        assert all(r.kind == P.CONTRIB for r in whole.values()), whole
+    finally:
+        first.close()
+    second = Attacker(tmp_path, again=True)
+    try:
+        assert second.session != first.session
+        assert all(r.kind == P.CONTRIB for r in second.setup().values())
+        pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
+        subset = second.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
+        refused(subset, "differencing", parties=("p1", "p2"))
+        other = second.call(
+            "forward", ids=rows + 100, args={"train": False}, to=("p1", "p2"), sums=pair
+        )
+        assert all(r.kind == P.CONTRIB for r in other.values()), other
+    finally:
+        second.close()
