@@ -7,7 +7,9 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import tomllib
 import traceback
 from collections.abc import Sequence
@@ -210,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _prepare_threads(args)  # before anything imports NumPy or torch
     debug = getattr(args, "debug", False)
+    previous = _interrupt_once()
     try:
         return _dispatch(args)
     except ConfigError as exc:
@@ -219,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(str(exc), debug)
         return exit_code_for(exc)
     except KeyboardInterrupt as exc:
-        _say("interrupted; continue later with --resume", debug)
+        if not os.environ.get(P.LAUNCHED_ENV):  # a launched role: its launcher says it once
+            _say("interrupted; continue later with --resume", debug)
         return exit_code_for(exc)
     except OSError as exc:  # a path that cannot be read or written: the user's to fix
         _say(f"{exc}", debug)
@@ -229,6 +233,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"internal error: {type(exc).__name__}: {exc} (rerun with --debug to see where)", debug
         )
         return exit_code_for(exc)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_once() -> Any:
+    """Ctrl-C stops the command once, and a second one (the terminal sends it to every process
+    of the group, and `securevfl run` passes it on to its roles as well) cannot break the
+    clean-up it started: closing the connections, the checkpoint `--resume` continues from.
+    Returns the handler it replaced (None where none was replaced: not the main thread, or a
+    caller that set its own)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return previous
 
 
 def _say(line: str, debug: bool) -> None:

@@ -54,10 +54,12 @@ def rendezvous(out: Path, env: Mapping[str, str]) -> tuple[Path, dict[str, str],
     """How the roles of a run started on this machine find the one that binds: the endpoint
     file in `out` (a stale one removed), the binding role's environment (told to write its
     address there, `securevfl.roles.protocol.announce_endpoint`) and every other role's (told
-    nothing; they are given the file, `await_address`)."""
+    nothing; they are given the file, `await_address`). Both say the roles were launched here
+    (`LAUNCHED_ENV`)."""
     endpoint = out / ENDPOINT_FILE
     endpoint.unlink(missing_ok=True)
     others = {k: v for k, v in env.items() if k != P.ENDPOINT_FILE_ENV}
+    others[P.LAUNCHED_ENV] = "1"  # on Ctrl-C the launcher speaks for its roles, once
     return endpoint, {**others, P.ENDPOINT_FILE_ENV: str(endpoint)}, others
 
 
@@ -390,14 +392,35 @@ def supervise(
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
+        # a role that got Ctrl-C from the terminal too ignores this second one (`_interrupt_once`)
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGINT)
-        for p in procs:
-            p.popen.wait()
+        stop_within(procs, grace)
         raise
     codes = {p.role: p.popen.returncode for p in procs}
     return overall_status(codes, active=active, run_dir=run_dir)
+
+
+def stop_within(procs: Sequence[RoleProcess], seconds: float) -> None:
+    """Wait for `procs` to end, together at most `seconds`; then terminate those left (and kill
+    any that ignore that for 5 s), naming each: a stop never hangs."""
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        try:
+            p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(
+                f"securevfl: {p.role} did not stop within {seconds:.0f} s; terminating it",
+                file=sys.stderr,
+            )
+            p.popen.terminate()
+    for p in procs:
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
 
 
 def overall_status(codes: Mapping[str, int], *, active: str, run_dir: Path) -> int:

@@ -99,6 +99,8 @@ def role_logger(role: str, run_dir: Path | None) -> logging.Logger:
 #: where its hub writes the address it is listening on, once bound (the port the kernel gave
 #: for ``tcp://HOST:0``), for the other roles of the run to connect to.
 ENDPOINT_FILE_ENV = "SECUREVFL_ENDPOINT_FILE"
+# set for the roles a launcher on this machine started: on Ctrl-C it speaks for them, once
+LAUNCHED_ENV = "SECUREVFL_LAUNCHED"
 
 
 def announce_endpoint(endpoint: str) -> None:

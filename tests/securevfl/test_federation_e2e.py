@@ -234,3 +234,53 @@ def test_a_ckks_value_beyond_the_declared_magnitude_stops_the_run_with_the_fix(s
     assert "securevfl active:" in done.stderr and "failed: ValueError" in done.stderr
     assert "no heartbeat" not in done.stderr  # reported, not noticed as a lost peer
     assert not (d / "run" / "metrics.json").exists()
+
+
+def test_one_ctrl_c_stops_every_role_once_and_resume_finishes(small_federation):
+    """Ctrl-C in a terminal sends SIGINT to every process of the group, and `securevfl run`
+    passes it on to its roles as well: each role stops once (a second SIGINT cannot break its
+    clean-up), the run ends 130 within the deadline with one line saying how to continue, no
+    role is left running, and `--resume` finishes the run."""
+    import signal
+    import time
+
+    raw, d = small_federation
+    raw["train"].update({"epochs": 30, "batch_size": 16})
+    config = write_toml(raw, d / "config.toml")
+    run_dir = d / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    try:
+        marker = run_dir / "checkpoints" / "active" / "epoch_0001.pt"
+        until = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < until, "training never reached epoch 2"
+            time.sleep(0.05)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        os.killpg(proc.pid, signal.SIGINT)  # what one Ctrl-C does
+        interrupted = time.monotonic()
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert time.monotonic() - interrupted < 60
+    assert stderr.count("interrupted; continue later with --resume") == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+    resumed = securevfl_cli("run", str(config), "--out", str(run_dir), "--resume", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after epoch" in resumed.stdout
+    assert len(json.loads((run_dir / "metrics.json").read_text())["history"]) == 30
