@@ -258,9 +258,11 @@ def check_bind(bind: str) -> None:
             shown = host if host != "*" else "every interface"
             if exc.errno == errno.EADDRINUSE:
                 raise ConfigError(
-                    "[network] aggregator",
-                    f"port {port} on {shown} is in use; pick another with "
-                    f"--set network.aggregator=tcp://{host}:OTHER_PORT (or --bind)",
+                    "[network] bind / aggregator",
+                    f"port {port} on {shown} is in use; pick another: the aggregator listens on "
+                    f"[network] bind (or --bind) where that is set, else on the port of [network] "
+                    f"aggregator (--set network.aggregator=tcp://{host}:OTHER_PORT), which the "
+                    "other roles connect to",
                 ) from None
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise ConfigError(

@@ -260,7 +260,11 @@ MISTAKES: list[tuple[str, Callable[[Setup], list[str]], str]] = [
         lambda s: s.role("party", "--address", "127.0.0.1:5555", name="alpha"),
         "tcp://HOST:PORT",
     ),
-    ("port in use", _busy_port, "is in use; pick another with --set network.aggregator="),
+    (
+        "port in use",
+        _busy_port,
+        "is in use; pick another: the aggregator listens on [network] bind",
+    ),
     (
         "aggregator address of another host",
         lambda s: s.role("aggregator", "--set", "network.aggregator=tcp://192.0.2.1:5555"),
