@@ -375,20 +375,7 @@ def supervise(
             if failed_at is None and any(codes[r] not in (None, 0) for r in watched):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
-                for p in procs:
-                    if p.popen.poll() is None:
-                        print(
-                            f"securevfl: {p.role} did not stop within {grace:.0f} s of the "
-                            "failure; terminating it",
-                            file=sys.stderr,
-                        )
-                        p.popen.terminate()
-                for p in procs:
-                    try:
-                        p.popen.wait(timeout=5)
-                    except subprocess.TimeoutExpired:
-                        p.popen.kill()
-                        p.popen.wait()
+                stop_within(procs, 0.0, waited=f"{grace:.0f} s of the failure")
                 break
             time.sleep(0.1)
     except KeyboardInterrupt:
@@ -402,16 +389,18 @@ def supervise(
     return overall_status(codes, active=active, run_dir=run_dir)
 
 
-def stop_within(procs: Sequence[RoleProcess], seconds: float) -> None:
+def stop_within(procs: Sequence[RoleProcess], seconds: float, *, waited: str | None = None) -> None:
     """Wait for `procs` to end, together at most `seconds`; then terminate those left (and kill
-    any that ignore that for 5 s), naming each: a stop never hangs."""
+    any that ignore that for 5 s), naming each and how long they had (`waited`, default the
+    seconds): a stop never hangs."""
     deadline = time.monotonic() + seconds
     for p in procs:
         try:
             p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             print(
-                f"securevfl: {p.role} did not stop within {seconds:.0f} s; terminating it",
+                f"securevfl: {p.role} did not stop within {waited or f'{seconds:.0f} s'}; "
+                "terminating it",
                 file=sys.stderr,
             )
             p.popen.terminate()

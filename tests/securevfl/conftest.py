@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -107,6 +108,43 @@ def securevfl_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.Comp
     )
 
 
+@contextlib.contextmanager
+def run_until_epoch(
+    config: Path, run_dir: Path, *, epoch: int = 2, deadline: float = 180, group: bool = False
+):
+    """`securevfl run CONFIG` as a real process, handed over as (process, the roles' pids) once
+    the active party's checkpoint of epoch `epoch - 1` is on disk; `group`: in a process group
+    of its own (as a terminal's foreground job). Always reaped."""
+    import json
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=group,
+    )
+    try:
+        until = time.monotonic() + deadline
+        marker = run_dir / "checkpoints" / "active" / f"epoch_{epoch - 1:04d}.pt"
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < until, f"training never reached epoch {epoch}"
+            time.sleep(0.05)
+        yield proc, json.loads((run_dir / "pids.json").read_text())
+    finally:
+        if proc.poll() is None:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.communicate()
+
+
 def kill_role_after_epoch(
     config: Path,
     run_dir: Path,
@@ -119,31 +157,11 @@ def kill_role_after_epoch(
     """`securevfl run CONFIG` as a real process; once the active party's checkpoint of epoch
     `epoch - 1` is on disk, SIGKILL `role`. Returns (returncode, stdout, stderr, pids, seconds
     from the kill to the end of the run); the run is always reaped."""
-    import json
     import signal
     import time
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        until = time.monotonic() + deadline
-        marker = run_dir / "checkpoints" / "active" / f"epoch_{epoch - 1:04d}.pt"
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < until, f"training never reached epoch {epoch}"
-            time.sleep(0.05)
-        pids = json.loads((run_dir / "pids.json").read_text())
+    with run_until_epoch(config, run_dir, epoch=epoch, deadline=deadline) as (proc, pids):
         killed_at = time.monotonic()
         os.kill(pids[role], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=timeout)
         return proc.returncode, stdout, stderr, pids, time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()

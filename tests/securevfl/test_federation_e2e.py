@@ -13,6 +13,7 @@ from securevfl.demo import prepare_demo
 from tests.securevfl.conftest import (
     kill_role_after_epoch,
     permissive_policy,
+    run_until_epoch,
     securevfl_cli,
     write_toml,
 )
@@ -248,30 +249,10 @@ def test_one_ctrl_c_stops_every_role_once_and_resume_finishes(small_federation):
     raw["train"].update({"epochs": 30, "batch_size": 16})
     config = write_toml(raw, d / "config.toml")
     run_dir = d / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "securevfl", "run", str(config), "--out", str(run_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own group, as a terminal's foreground job
-    )
-    try:
-        marker = run_dir / "checkpoints" / "active" / "epoch_0001.pt"
-        until = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < until, "training never reached epoch 2"
-            time.sleep(0.05)
-        pids = json.loads((run_dir / "pids.json").read_text())
+    with run_until_epoch(config, run_dir, group=True, deadline=120) as (proc, pids):
         os.killpg(proc.pid, signal.SIGINT)  # what one Ctrl-C does
         interrupted = time.monotonic()
         _, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 130, stderr
     assert time.monotonic() - interrupted < 60
     assert stderr.count("interrupted; continue later with --resume") == 1, stderr
