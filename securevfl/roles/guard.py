@@ -212,15 +212,23 @@ class FamilyLog:
     An append-only file of records (version, tensor, groups, ids), each written before the
     contribution it admits leaves the party (the page cache keeps it if the process is killed;
     a record cut short by a crash is dropped on opening, as its contribution never left).
-    Costs 8 bytes a row a call on disk and nothing in memory but an index of offsets."""
+    Costs 8 bytes a row a call on disk and nothing in memory but an index of offsets. Training
+    makes a new version every step, so at each checkpoint the file keeps only the versions a
+    later session can start from or come back to (`compact`): the current one, the session's
+    first, and those of the checkpoints still on disk (`pin`)."""
 
     _HEAD = struct.Struct("<II")  # header bytes, id count
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open()
+
+    def _open(self) -> None:
         self._index: dict[bytes, list[int]] = {}
+        self.pins: dict[int, bytes] = {}  # checkpoint epoch -> its version
         self._file = self.path.open("a+b")
+        size = os.fstat(self._file.fileno()).st_size
         self._file.seek(0)
         end = 0
         while True:
@@ -230,25 +238,60 @@ class FamilyLog:
             hbytes, count = self._HEAD.unpack(head)
             header = self._file.read(hbytes)
             self._file.seek(8 * count, 1)
-            if len(header) < hbytes or self._file.tell() > os.fstat(self._file.fileno()).st_size:
+            if len(header) < hbytes or self._file.tell() > size:
                 break
-            version = msgpack.unpackb(header, raw=False)["v"]
-            self._index.setdefault(bytes.fromhex(version), []).append(end)
+            fields = msgpack.unpackb(header, raw=False)
+            version = bytes.fromhex(fields["v"])
+            if "pin" in fields:
+                self.pins[int(fields["pin"])] = version
+            else:
+                self._index.setdefault(version, []).append(end)
             end = self._file.tell()
         self._file.truncate(end)  # a record cut short by a crash: its contribution never left
         self._file.seek(0, 2)
+
+    def _write(self, fields: Mapping[str, Any], ids: np.ndarray) -> int:
+        header = msgpack.packb(dict(fields), use_bin_type=True)
+        offset = self._file.seek(0, 2)
+        self._file.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
+        self._file.flush()  # in the page cache before the contribution is released
+        return offset
 
     def append(
         self, version: bytes, tensor: str, groups: Iterable[frozenset[str]], ids: np.ndarray
     ) -> None:
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        header = msgpack.packb(
-            {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}, use_bin_type=True
-        )
-        offset = self._file.seek(0, 2)
-        self._file.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
-        self._file.flush()  # in the page cache before the contribution is released
-        self._index.setdefault(version, []).append(offset)
+        fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
+        self._index.setdefault(version, []).append(self._write(fields, ids))
+
+    def pin(self, epoch: int, version: bytes) -> None:
+        """The checkpoint of `epoch` holds the weights of `version`."""
+        self._write({"v": version.hex(), "pin": int(epoch)}, np.empty(0, dtype="<i8"))
+        self.pins[int(epoch)] = version
+
+    def compact(self, *, keep: Iterable[bytes], epochs: Iterable[int]) -> None:
+        """Rewrite the file with the records of the versions `keep` and of the checkpoints of
+        `epochs` (those still on disk), and their pins; the rest is dropped. Atomic: a crash
+        leaves the old file or the new one."""
+        pins = {e: v for e, v in self.pins.items() if e in set(epochs)}
+        wanted = set(keep) | set(pins.values())
+        records = [(v, list(self.records(v))) for v in self._index if v in wanted]
+        temp = self.path.with_suffix(".compacting")
+        with temp.open("wb") as out:
+            for version, entries in records:
+                for tensor, groups, ids in entries:
+                    fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
+                    header = msgpack.packb(fields, use_bin_type=True)
+                    ids = np.ascontiguousarray(ids, dtype="<i8")
+                    out.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
+            for epoch, version in pins.items():
+                header = msgpack.packb({"v": version.hex(), "pin": epoch}, use_bin_type=True)
+                out.write(self._HEAD.pack(len(header), 0) + header)
+            out.flush()
+            os.fsync(out.fileno())
+        self._file.close()
+        os.replace(temp, self.path)
+        self._open()
 
     def records(self, version: bytes) -> Iterator[tuple[str, list[frozenset[str]], np.ndarray]]:
         """(tensor, groups, ids) of every record of `version`, in the order they were written."""
@@ -369,6 +412,7 @@ class CallGuard:
         # the model's version (`model_digest`) and what was summed at each (`FamilyLog`)
         self.log: FamilyLog | None = None
         self.version: bytes | None = None
+        self.first_version: bytes | None = None  # the session's, at set-up
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
     def refuse(self, rule: str, detail: str) -> PolicyRefusal:
@@ -483,7 +527,18 @@ class CallGuard:
         if self.log is not None:
             self.log.close()
         self.log = FamilyLog(log_path)
+        self.first_version = version
         self._use_version(version)
+
+    def checkpointed(self, epoch: int, on_disk: Iterable[int]) -> None:
+        """The party saved its checkpoint of `epoch` (`on_disk`: the epochs whose checkpoints
+        remain): pin the current version to it and drop the versions no session can return
+        to (see `FamilyLog`)."""
+        if self.log is None or self.version is None:
+            return
+        self.log.pin(epoch, self.version)
+        keep = [v for v in (self.version, self.first_version) if v is not None]
+        self.log.compact(keep=keep, epochs=on_disk)
 
     def after(self, call: Any, *, digest: Any = None) -> None:
         """Note a model update: sums after it are of a new model version if the weights changed

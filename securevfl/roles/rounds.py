@@ -490,6 +490,7 @@ class PartyRound:
         # the encoding travels with the model: scoring new rows needs the same mapping
         state = {"method": self.method.state_dict(), "encoding": self.method.table.encoding_state()}
         save_checkpoint(self.run_dir, self.name, epoch, state)
+        self.guard.checkpointed(epoch, epochs(self.run_dir, self.name))
         self.privacy.epoch = epoch + 1
         self.committed_epoch, self.calls_since_commit = epoch, 0
         if self.received is not None:

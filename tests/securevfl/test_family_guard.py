@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from securevfl.roles.guard import FamilyGuard
+from securevfl.roles.guard import FamilyGuard, FamilyLog
 from securevfl.secure_sum import isolating_set
 
 PARTIES = ("p1", "p2", "p3", "p4")
@@ -102,6 +102,7 @@ def _bare_guard(min_group: int = 2):
     guard.fresh_noise = False
     guard.log = None
     guard.version = None
+    guard.first_version = None
     guard.spec = method_spec("splitnn")
     return guard
 
@@ -146,8 +147,6 @@ def test_a_model_version_is_its_weights_and_comes_back_with_its_sums(tmp_path):
 
 
 def test_the_family_log_drops_a_record_cut_short_and_goes_on(tmp_path):
-    from securevfl.roles.guard import FamilyLog
-
     path = tmp_path / "families.log"
     log = FamilyLog(path)
     log.append(b"v1", "rep", [frozenset(("p1", "p2"))], np.array([3, 1, 2]))
@@ -166,3 +165,31 @@ def test_the_family_log_drops_a_record_cut_short_and_goes_on(tmp_path):
     assert [i.tolist() for _, _, i in log.records(b"v1")] == [[3, 1, 2], [7]]
     assert list(log.records(b"unknown")) == []
     log.close()
+
+
+def test_a_checkpoint_keeps_the_versions_a_session_can_come_back_to_and_drops_the_rest(tmp_path):
+    """Training makes a version a step; at a checkpoint the log keeps the current version, the
+    session's first and those of the checkpoints still on disk, and drops the others."""
+    path = tmp_path / "p1-families.log"
+    ids = np.arange(4, dtype=np.int64)
+    whole = [frozenset(PARTIES[:3])]
+    guard = _bare_guard()
+    guard.attach(path, b"start")
+    for version in (b"start", b"s1", b"s2", b"e0", b"s3", b"e1", b"s4", b"e2"):
+        guard.after(_Update(), digest=lambda version=version: version)
+        assert guard.families.admit("rep", ids, whole) is None
+        guard.log.append(version, "rep", whole, ids)
+        if version.startswith(b"e"):  # the end of an epoch: its checkpoint
+            epoch = int(version[1:])
+            guard.checkpointed(epoch, [e for e in (epoch - 1, epoch) if e >= 0])
+    guard.log.close()
+
+    reopened = FamilyLog(path)
+    kept = {
+        v
+        for v in (b"start", b"s1", b"s2", b"e0", b"s3", b"e1", b"s4", b"e2")
+        if list(reopened.records(v))
+    }
+    assert kept == {b"start", b"e1", b"e2"}  # the first, and the two checkpoints on disk
+    assert reopened.pins == {1: b"e1", 2: b"e2"}
+    reopened.close()
