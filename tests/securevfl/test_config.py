@@ -127,6 +127,22 @@ def test_overrides_replace_file_values(tmp_path):
         load_config(path, overrides={"run.aggregation": "plain"})  # the parties never agreed
 
 
+def test_a_party_policy_that_does_not_list_the_method_refuses_the_run(tmp_path):
+    """[parties.NAME.policy] methods: a party that accepts only some methods refuses a run of
+    another, naming its key and how to agree; a method it lists is accepted."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[run]\nmethod = "splitnn"\naggregation = "mask"\n[data]\npath = "d.csv"\n'
+        '[parties.a]\ncolumns = ["X1"]\n[parties.a.policy]\nmethods = ["laser"]\n'
+        '[parties.b]\ncolumns = ["X2"]\n'
+    )
+    with pytest.raises(ConfigError, match=r"\[parties.a.policy\] methods") as info:
+        load_config(path)
+    assert "accepts methods ['laser'], not 'splitnn'" in str(info.value)
+    assert "securevfl methods splitnn" in str(info.value)
+    assert load_config(path, overrides={"run.method": "laser"}).method == "laser"
+
+
 def test_dump_toml_reads_back_as_the_same_dict():
     import tomllib
 
