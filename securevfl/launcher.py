@@ -441,6 +441,13 @@ def score_rows(
     process per role (each reads only its own part of the rows); writes predictions.csv."""
     run_dir = Path(run_dir).resolve()
     cfg, config_path = load_run_config(run_dir)
+    untrained = [r for r in (cfg.active_name, *cfg.party_names) if not epochs(run_dir, r)]
+    if untrained:  # said now, before any role starts (each would find it only at set-up)
+        raise ConfigError(
+            "RUN_DIR",
+            f"{run_dir} holds no trained checkpoint of {untrained}: train the model first "
+            f"(securevfl run CONFIG --out {run_dir}), or resume an interrupted run with --resume",
+        )
     work = run_dir / "predict"
     from securevfl.data.table import split_rows
 

@@ -47,6 +47,29 @@ def test_securevfl_predict_equals_in_process_scoring(tmp_path):
     assert np.allclose([by_id[i] for i in ids], outputs.reshape(-1), atol=1e-6, rtol=0)
 
 
+def test_predict_before_training_says_so_at_once_naming_the_roles(tmp_path):
+    """`securevfl predict` on a run that never trained (or lost a role's checkpoints) stops
+    before starting any role (exit 2), naming the roles without a checkpoint and the fix."""
+    import time
+
+    from securevfl.roles.checkpoint import save_checkpoint
+
+    _text_table(tmp_path / "data.csv", n=60)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_toml(text_raw(), run / "config.toml")
+    started = time.monotonic()
+    done = securevfl_cli("predict", str(run), "--data", str(tmp_path / "data.csv"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "holds no trained checkpoint of ['active', 'crm', 'bank']" in done.stderr
+    assert "train the model first (securevfl run CONFIG --out" in done.stderr
+    assert time.monotonic() - started < 30 and not (run / "pids.json").exists()
+    for role in ("active", "crm"):
+        save_checkpoint(run, role, 0, {"method": {}})
+    done = securevfl_cli("predict", str(run), "--data", str(tmp_path / "data.csv"), timeout=60)
+    assert done.returncode == 2 and "checkpoint of ['bank']" in done.stderr, done.stderr
+
+
 def test_a_laser_model_scores_rows_with_missing_blocks_in_process(tmp_path):
     from securevfl.inproc import run_federation
 
