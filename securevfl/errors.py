@@ -133,8 +133,9 @@ class BudgetExceeded(SecureVFLError, RuntimeError):
 
 class RunAborted(SecureVFLError, RuntimeError):
     """The federation stopped because a role was lost, failed or refused; `.lost` names a lost
-    or failed role, `.refused` marks a stop on a party's release policy and `.budget` a stop on
-    a role's privacy budget, so every role ends with the status of the stop's cause."""
+    or failed role, `.refused` marks a stop on a party's release policy, `.budget` a stop on
+    a role's privacy budget and `.usage` a stop on bad input (a config or data mistake found
+    while the run was under way), so every role ends with the status of the stop's cause."""
 
     def __init__(
         self,
@@ -143,11 +144,13 @@ class RunAborted(SecureVFLError, RuntimeError):
         lost: str | None = None,
         refused: bool = False,
         budget: bool = False,
+        usage: bool = False,
     ) -> None:
         super().__init__(message)
         self.lost = lost
         self.refused = refused
         self.budget = budget
+        self.usage = usage
 
     @property
     def exit_code(self) -> int:  # type: ignore[override]
@@ -155,6 +158,8 @@ class RunAborted(SecureVFLError, RuntimeError):
             return EXIT_REFUSED
         if self.budget:
             return EXIT_BUDGET
+        if self.usage:
+            return EXIT_USAGE
         return EXIT_PEER_LOST if self.lost else EXIT_ERROR
 
 

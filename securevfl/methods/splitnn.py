@@ -278,7 +278,9 @@ class SplitNNActive(ActiveMethod):
         cfg = self.config
         incomplete = count_incomplete(ctx, self.table, train_ids)
         if incomplete:
-            raise ValueError(
+            from securevfl.errors import DataError
+
+            raise DataError(
                 f"splitnn needs every training row at every party, but {incomplete} rows are "
                 'missing at some party; use method "standard-vfl" (complete rows only) or '
                 '"laser" (any subset of parties)'

@@ -41,6 +41,7 @@ def failure_of(env: Envelope) -> P.RunAborted:
         lost=env.sender,
         refused=env.meta.get("refused") is True,
         budget=env.meta.get("budget") is True,
+        usage=env.meta.get("usage") is True,
     )
 
 
@@ -109,7 +110,9 @@ class Aggregator:
                     )
         except P.RunAborted as exc:
             self.logger.error("%s", exc)
-            self._broadcast_abort(str(exc), lost=exc.lost, refused=exc.refused, budget=exc.budget)
+            self._broadcast_abort(
+                str(exc), lost=exc.lost, refused=exc.refused, budget=exc.budget, usage=exc.usage
+            )
             return exc.exit_code
 
     def _handshake(self) -> None:
@@ -193,7 +196,13 @@ class Aggregator:
         return P.RunAborted(f"cannot reach {party!r}: {exc}", lost=party)
 
     def _broadcast_abort(
-        self, reason: str, *, lost: str | None, refused: bool = False, budget: bool = False
+        self,
+        reason: str,
+        *,
+        lost: str | None,
+        refused: bool = False,
+        budget: bool = False,
+        usage: bool = False,
     ) -> None:
         for role in self.hub.connected():
             if role == lost:
@@ -210,6 +219,7 @@ class Aggregator:
                             "lost": lost,
                             "refused": refused,
                             "budget": budget,
+                            "usage": usage,
                         },
                     ),
                 )

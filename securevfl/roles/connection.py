@@ -146,6 +146,7 @@ class RoleConnection:
             lost=lost,
             refused=meta.get("refused") is True,
             budget=meta.get("budget") is True,
+            usage=meta.get("usage") is True,
         )
 
     def send(self, env: Envelope) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from securevfl.config import RunConfig
-from securevfl.errors import BudgetExceeded, KeyMaterialError, PolicyRefusal
+from securevfl.errors import BudgetExceeded, KeyMaterialError, PolicyRefusal, exit_code_for
 from securevfl.methods import method_spec
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
@@ -199,6 +199,7 @@ def report_failure(conn: RoleConnection, exc: BaseException) -> None:
                     "role": conn.name,
                     "refused": isinstance(exc, PolicyRefusal),
                     "budget": isinstance(exc, BudgetExceeded),
+                    "usage": exit_code_for(exc) == P.EXIT_USAGE,
                 },
             )
         )

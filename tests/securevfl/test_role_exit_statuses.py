@@ -106,6 +106,30 @@ def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypat
     assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], EXIT_BUDGET)
 
 
+def test_a_data_mistake_found_by_a_method_ends_every_role_with_status_2(
+    small_federation, monkeypatch
+):
+    """Split-NN on rows some party lacks stops at its fit, naming the methods that serve such
+    rows: the active party, the aggregator and every party end 2 (bad input), not 1 (internal
+    error) and 4 (lost), which would say to restart and resume."""
+    import securevfl.launcher
+    from securevfl.inproc import run_federation
+
+    raw, d = small_federation
+    raw["missing"] = {"train": {"kind": "mcar", "p": 0.2}}
+    seen: dict[str, int] = {}
+    overall = securevfl.launcher.overall_status
+
+    def record(codes, **kwargs):
+        seen.update(codes)
+        return overall(codes, **kwargs)
+
+    monkeypatch.setattr(securevfl.launcher, "overall_status", record)
+    code, metrics = run_federation(make_config(raw, d), out=d / "run")
+    assert code == 2 and metrics is None
+    assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], 2), seen
+
+
 class _Cfg:
     role_names = ("active", "alpha", "beta")
 
@@ -132,6 +156,8 @@ def test_an_abort_carries_the_status_of_its_cause():
     assert _stop({"reason": "x"}).exit_code == EXIT_ERROR
     assert _stop({"reason": "x", "role": "beta", "budget": True}, P.ERROR).exit_code == 3
     assert _stop({"reason": "x", "lost": "beta", "budget": "yes"}).exit_code == EXIT_PEER_LOST
+    assert _stop({"reason": "x", "lost": "active", "usage": True}).exit_code == 2
+    assert _stop({"reason": "x", "role": "active", "usage": True}, P.ERROR).exit_code == 2
 
 
 def test_an_abort_from_a_hostile_aggregator_reaches_logs_escaped_and_bounded():
