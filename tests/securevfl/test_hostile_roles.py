@@ -57,9 +57,12 @@ class Attacker:
     """A modified aggregator (the hub every party connects to) that can also speak for a
     modified active party (with the active party's real masking key)."""
 
-    def __init__(self, root: Path, on_refusal: str = "skip", *, again: bool = False) -> None:
+    def __init__(
+        self, root: Path, on_refusal: str = "skip", *, again: bool = False, welcome=None
+    ) -> None:
         """`again`: a new session of the federation set up in `root` before (same data, keys
-        and run directory: the parties' own disks)."""
+        and run directory: the parties' own disks); `welcome(party, meta)`: the WELCOME meta a
+        modified aggregator sends that party instead."""
         if not again:
             synthetic_csv(root / "data.csv", n=200)
         config = write_toml(federation_raw(on_refusal), root / "config.toml", strict=True)
@@ -122,13 +125,14 @@ class Attacker:
         self.hub.session = session
         self.session = bytes.fromhex(session)
         for p in PARTIES:
+            meta = {"session": session, "nonces": dict(nonces)}
             self.hub.send(
                 p,
                 Envelope(
                     kind=P.WELCOME,
                     sender="aggregator",
                     session=session,
-                    meta={"session": session, "nonces": nonces},
+                    meta=meta if welcome is None else welcome(p, meta),
                 ),
             )
         self.keys = {
@@ -564,5 +568,60 @@ def test_a_new_session_at_the_same_weights_keeps_the_sums_released_before(tmp_pa
             "forward", ids=rows + 100, args={"train": False}, to=("p1", "p2"), sums=pair
         )
         assert all(r.kind == P.CONTRIB for r in other.values()), other
+    finally:
+        second.close()
+
+
+def test_a_session_without_the_partys_fresh_nonce_is_refused(tmp_path):
+    """A modified aggregator replays an old session to p1 (a session id built from nonces that
+    do not include the one p1 just sent): p1 refuses to join and stops, naming why; the
+    parties welcomed honestly are still there."""
+
+    def replayed(party, meta):
+        if party != "p1":
+            return meta
+        nonces = {**meta["nonces"], "p1": "00" * 16}  # p1's nonce of an earlier session
+        return {"session": P.session_id(nonces), "nonces": nonces}
+
+    a = Attacker(tmp_path, welcome=replayed)
+    try:
+        code = a.procs["p1"].wait(timeout=60)
+        assert code != 0
+        assert "does not include this role's fresh nonce" in a.procs["p1"].stderr.read()
+        assert a.procs["p2"].poll() is None and a.procs["p3"].poll() is None  # they joined
+    finally:
+        a.close()
+
+
+def test_a_call_of_an_earlier_session_restamped_for_this_one_fails_authentication(tmp_path):
+    """A signed call captured in one session and sent in the next with the new session id and
+    round: its tags were made under the old session's keys, so every party refuses it."""
+    first = Attacker(tmp_path)
+    try:
+        assert all(r.kind == P.CONTRIB for r in first.setup().values())
+        captured = Call(
+            op="forward",
+            round=first.round + 1,
+            session=first.session.hex(),
+            ids=first.ids[:20],
+            args={"train": False},
+            sums=tuple(everything([])),
+            to=PARTIES,
+        ).envelope(sender="aggregator")
+        captured.meta["auth"] = call_tags(
+            captured.meta,
+            session=first.session,
+            round=captured.round,
+            tensors=captured.tensors,
+            keys=first.keys,
+        )
+    finally:
+        first.close()
+    second = Attacker(tmp_path, again=True)
+    try:
+        assert all(r.kind == P.CONTRIB for r in second.setup().values())
+        second.round += 1
+        captured.session, captured.round = second.session.hex(), second.round
+        refused(second.send(captured, PARTIES), "authentication")
     finally:
         second.close()
