@@ -161,9 +161,12 @@ class Attacker:
         tamper=None,
         sign=True,
         round=None,
+        kept=None,
     ):
         """Sign a call as the active party would (unless `sign` is False), let `tamper` change
-        the envelope as a modified aggregator would, send it, and return each party's reply."""
+        the envelope as a modified aggregator would, send it, and return each party's reply
+        (`kept`: a list the sent envelope is appended to, as an aggregator keeps one to replay
+        later)."""
         self.round = self.round + 1 if round is None else round
         call = Call(
             op=op,
@@ -183,6 +186,8 @@ class Attacker:
             )
         if tamper is not None:
             tamper(env)
+        if kept is not None:
+            kept.append(env)
         return self.send(env, to)
 
     def send(self, env, to):
@@ -516,58 +521,63 @@ def test_an_abort_reason_from_the_hub_cannot_forge_log_lines(attacker):
 # `attacker`, whose parties would take its silent hub for lost (peer_timeout) while they run.
 
 
-def test_an_update_that_left_the_weights_as_they_were_is_no_new_model_version(tmp_path):
-    """A modified active party sends a backward with a zero gradient (Adam's first step then
-    moves nothing) and asks again for the same rows over fewer parties: the sums would
-    difference to p3's representation exactly. The version is the weights, so the party
-    refuses; after an update that changes them, a sum over another group is a new version's
-    (what the README states as the residual risk across versions)."""
-    a = Attacker(tmp_path)
-    try:
-        assert all(r.kind == P.CONTRIB for r in a.setup().values())
-        rows = a.ids[:40]
-        pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
+def test_model_versions_and_sessions_hold_against_a_modified_active_party(tmp_path):
+    """Two sessions of one federation (one set of parties' disks), the second a fresh start
+    with the same seed, so its model starts at the first one's initial weights.
 
-        def train_step(grad):
-            forward = a.call("forward", ids=rows, args={"train": True}, sums=everything([]))
-            assert all(r.kind == P.CONTRIB for r in forward.values()), forward
-            update = a.call("backward", ids=rows, args={"forward": a.round}, inputs={"grad": grad})
-            assert all(r.kind == P.CONTRIB for r in update.values()), update
-
-        train_step(np.zeros((40, 4), dtype=np.float32))
-        subset = a.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
-        refused(subset, "differencing", parties=("p1", "p2"))
-        train_step(np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32))
-        after = a.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
-        assert all(r.kind == P.CONTRIB for r in after.values()), after
-    finally:
-        a.close()
-
-
-def test_a_new_session_at_the_same_weights_keeps_the_sums_released_before(tmp_path):
-    """The rule across sessions: the sums a party released are kept on its own disk per model
-    version, so a second session whose model has the same weights (here a fresh start with
-    the same seed; equally a `securevfl predict` or `--resume` from one checkpoint) cannot ask
-    for the same rows over fewer parties. Other rows are still served."""
+    1. A backward with a zero gradient (Adam's first step then moves nothing) is no new model
+       version: the same rows over fewer parties would difference to p3's representation
+       exactly, and are refused. After an update that changes the weights, a sum over another
+       group is a new version's (the README's residual risk across versions).
+    2. The second session at the first one's initial weights is held to the sums released at
+       them before (kept on each party's disk): the same rows over fewer parties are refused,
+       other rows are served.
+    3. A signed call captured in the first session and sent in the second with its session id
+       and round fails authentication (its tags were made under the old session's keys)."""
     rows = np.arange(1, 41, dtype=np.int64)
+    pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
     first = Attacker(tmp_path)
     try:
         assert all(r.kind == P.CONTRIB for r in first.setup().values())
-        whole = first.call("forward", ids=rows, args={"train": False}, sums=everything([]))
-        assert all(r.kind == P.CONTRIB for r in whole.values()), whole
+        kept: list = []
+        served = first.call(
+            "forward", ids=rows + 100, args={"train": False}, sums=everything([]), kept=kept
+        )
+        assert all(r.kind == P.CONTRIB for r in served.values()), served
+        forward = first.call("forward", ids=rows, args={"train": True}, sums=everything([]))
+        assert all(r.kind == P.CONTRIB for r in forward.values()), forward
+        zero = np.zeros((len(rows), 4), dtype=np.float32)
+        step = first.call(
+            "backward", ids=rows, args={"forward": first.round}, inputs={"grad": zero}
+        )
+        assert all(r.kind == P.CONTRIB for r in step.values()), step
+        subset = first.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
+        refused(subset, "differencing", parties=("p1", "p2"))
+        others = rows + 50
+        forward = first.call("forward", ids=others, args={"train": True}, sums=everything([]))
+        grad = np.random.default_rng(0).normal(size=(len(rows), 4)).astype(np.float32)
+        step = first.call(
+            "backward", ids=others, args={"forward": first.round}, inputs={"grad": grad}
+        )
+        assert all(r.kind == P.CONTRIB for r in step.values()), step
+        after = first.call("forward", ids=others, args={"train": False}, to=("p1", "p2"), sums=pair)
+        assert all(r.kind == P.CONTRIB for r in after.values()), after
     finally:
         first.close()
     second = Attacker(tmp_path, again=True)
     try:
         assert second.session != first.session
         assert all(r.kind == P.CONTRIB for r in second.setup().values())
-        pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
         subset = second.call("forward", ids=rows, args={"train": False}, to=("p1", "p2"), sums=pair)
         refused(subset, "differencing", parties=("p1", "p2"))
-        other = second.call(
-            "forward", ids=rows + 100, args={"train": False}, to=("p1", "p2"), sums=pair
+        fresh = second.call(
+            "forward", ids=rows + 150, args={"train": False}, to=("p1", "p2"), sums=pair
         )
-        assert all(r.kind == P.CONTRIB for r in other.values()), other
+        assert all(r.kind == P.CONTRIB for r in fresh.values()), fresh
+        second.round += 1
+        (captured,) = kept
+        captured.session, captured.round = second.session.hex(), second.round
+        refused(second.send(captured, PARTIES), "authentication")
     finally:
         second.close()
 
@@ -591,37 +601,3 @@ def test_a_session_without_the_partys_fresh_nonce_is_refused(tmp_path):
         assert a.procs["p2"].poll() is None and a.procs["p3"].poll() is None  # they joined
     finally:
         a.close()
-
-
-def test_a_call_of_an_earlier_session_restamped_for_this_one_fails_authentication(tmp_path):
-    """A signed call captured in one session and sent in the next with the new session id and
-    round: its tags were made under the old session's keys, so every party refuses it."""
-    first = Attacker(tmp_path)
-    try:
-        assert all(r.kind == P.CONTRIB for r in first.setup().values())
-        captured = Call(
-            op="forward",
-            round=first.round + 1,
-            session=first.session.hex(),
-            ids=first.ids[:20],
-            args={"train": False},
-            sums=tuple(everything([])),
-            to=PARTIES,
-        ).envelope(sender="aggregator")
-        captured.meta["auth"] = call_tags(
-            captured.meta,
-            session=first.session,
-            round=captured.round,
-            tensors=captured.tensors,
-            keys=first.keys,
-        )
-    finally:
-        first.close()
-    second = Attacker(tmp_path, again=True)
-    try:
-        assert all(r.kind == P.CONTRIB for r in second.setup().values())
-        second.round += 1
-        captured.session, captured.round = second.session.hex(), second.round
-        refused(second.send(captured, PARTIES), "authentication")
-    finally:
-        second.close()
