@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _prepare_threads(args)  # before anything imports NumPy or torch
     debug = getattr(args, "debug", False)
-    previous = _interrupt_once()
+    previous, interrupted = _interrupt_once()
     try:
         return _dispatch(args)
     except ConfigError as exc:
@@ -234,28 +234,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return exit_code_for(exc)
     finally:
-        if previous is not None:
+        if previous is not None and not interrupted:
             signal.signal(signal.SIGINT, previous)
 
 
-def _interrupt_once() -> Any:
+def _interrupt_once() -> tuple[Any, list[int]]:
     """Ctrl-C stops the command once, and a second one (the terminal sends it to every process
     of the group, and `securevfl run` passes it on to its roles as well) cannot break the
-    clean-up it started: closing the connections, the checkpoint `--resume` continues from.
-    Returns the handler it replaced (None where none was replaced: not the main thread, or a
-    caller that set its own)."""
+    clean-up it started — closing the connections, the checkpoint `--resume` continues from —
+    nor the process's exit after it: once interrupted, SIGINT stays ignored. Returns the handler
+    it replaced (None where none was replaced: not the main thread, or a caller that set its
+    own) and a list that is non-empty once it fired (a caller restores the handler only if
+    not)."""
+    fired: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return None, fired
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.default_int_handler:
-        return None
+        return None, fired
 
     def interrupt(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        fired.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
-    return previous
+    return previous, fired
 
 
 def _say(line: str, debug: bool) -> None:
