@@ -33,7 +33,7 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,23 +250,34 @@ class FamilyLog:
         self._file.truncate(end)  # a record cut short by a crash: its contribution never left
         self._file.seek(0, 2)
 
-    def _write(self, fields: Mapping[str, Any], ids: np.ndarray) -> int:
+    @classmethod
+    def _record(cls, fields: Mapping[str, Any], ids: np.ndarray) -> bytes:
         header = msgpack.packb(dict(fields), use_bin_type=True)
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        return cls._HEAD.pack(len(header), len(ids)) + header + ids.tobytes()
+
+    def _write(self, fields: Mapping[str, Any], ids: np.ndarray) -> int:
         offset = self._file.seek(0, 2)
-        self._file.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
+        self._file.write(self._record(fields, ids))
         self._file.flush()  # in the page cache before the contribution is released
         return offset
+
+    def _raw(self, offset: int) -> bytes:
+        """The record at `offset`, as written."""
+        self._file.seek(offset)
+        head = self._file.read(self._HEAD.size)
+        hbytes, count = self._HEAD.unpack(head)
+        return head + self._file.read(hbytes + 8 * count)
 
     def append(
         self, version: bytes, tensor: str, groups: Iterable[frozenset[str]], ids: np.ndarray
     ) -> None:
-        ids = np.ascontiguousarray(ids, dtype="<i8")
         fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
         self._index.setdefault(version, []).append(self._write(fields, ids))
 
     def pin(self, epoch: int, version: bytes) -> None:
         """The checkpoint of `epoch` holds the weights of `version`."""
-        self._write({"v": version.hex(), "pin": int(epoch)}, np.empty(0, dtype="<i8"))
+        self._write({"v": version.hex(), "pin": int(epoch)}, np.empty(0))
         self.pins[int(epoch)] = version
 
     def compact(self, *, keep: Iterable[bytes], epochs: Iterable[int]) -> None:
@@ -275,18 +286,13 @@ class FamilyLog:
         leaves the old file or the new one."""
         pins = {e: v for e, v in self.pins.items() if e in set(epochs)}
         wanted = set(keep) | set(pins.values())
-        records = [(v, list(self.records(v))) for v in self._index if v in wanted]
         temp = self.path.with_suffix(".compacting")
         with temp.open("wb") as out:
-            for version, entries in records:
-                for tensor, groups, ids in entries:
-                    fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
-                    header = msgpack.packb(fields, use_bin_type=True)
-                    ids = np.ascontiguousarray(ids, dtype="<i8")
-                    out.write(self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes())
+            for version, offsets in self._index.items():
+                if version in wanted:  # copied as written, in their order
+                    out.write(b"".join(self._raw(offset) for offset in offsets))
             for epoch, version in pins.items():
-                header = msgpack.packb({"v": version.hex(), "pin": epoch}, use_bin_type=True)
-                out.write(self._HEAD.pack(len(header), 0) + header)
+                out.write(self._record({"v": version.hex(), "pin": epoch}, np.empty(0)))
             out.flush()
             os.fsync(out.fileno())
         self._file.close()
@@ -518,15 +524,16 @@ class CallGuard:
                     f"only {declared} share one; nothing was run",
                 )
 
-    def attach(self, log_path: Path, version: bytes | None) -> None:
+    def attach(self, log_path: Path, digest: Callable[[], bytes | None]) -> None:
         """At set-up, once the model is loaded: keep what is summed per model version in
-        `log_path` (this party's own disk), and start at `version` with every sum already
-        released at it, in this session or an earlier one."""
+        `log_path` (this party's own disk), and start at the model's version (`digest()`, as in
+        `after`) with every sum already released at it, in this session or an earlier one."""
         if self.families is None or self.fresh_noise:
             return  # nothing summed securely, or fresh noise in every call: nothing to keep
         if self.log is not None:
             self.log.close()
         self.log = FamilyLog(log_path)
+        version = digest()
         self.first_version = version
         self._use_version(version)
 
@@ -540,7 +547,7 @@ class CallGuard:
         keep = [v for v in (self.version, self.first_version) if v is not None]
         self.log.compact(keep=keep, epochs=on_disk)
 
-    def after(self, call: Any, *, digest: Any = None) -> None:
+    def after(self, call: Any, *, digest: Callable[[], bytes | None] | None = None) -> None:
         """Note a model update: sums after it are of a new model version if the weights changed
         (`digest()`: their `model_digest`, None when the method holds no torch module: then
         every update starts a new version). An update that left the weights as they were keeps

@@ -439,9 +439,7 @@ class PartyRound:
         self.privacy.epoch = resume_epoch + 1
         self.committed_epoch, self.calls_since_commit = resume_epoch, 0
         # the differencing rule across sessions: the sums of this model's version so far
-        self.guard.attach(
-            self.run_dir / "guard" / f"{self.name}-families.log", self._model_digest()
-        )
+        self.guard.attach(self.run_dir / "guard" / f"{self.name}-families.log", self._model_digest)
         if announced is not None:  # answered part by part (setup.present)
             return {}
         # which of the active party's rows this party holds (what a PSI would tell it)

@@ -126,7 +126,7 @@ def test_a_model_version_is_its_weights_and_comes_back_with_its_sums(tmp_path):
         return reason is None
 
     guard = _bare_guard()
-    guard.attach(path, b"A")
+    guard.attach(path, lambda: b"A")
     assert summed(guard, whole)
     guard.after(_Update(), digest=lambda: b"A")  # the update moved nothing
     assert not summed(guard, pair)
@@ -139,9 +139,9 @@ def test_a_model_version_is_its_weights_and_comes_back_with_its_sums(tmp_path):
     guard.log.close()
 
     again = _bare_guard()  # another session, its model at A's weights
-    again.attach(path, b"A")
+    again.attach(path, lambda: b"A")
     assert not summed(again, pair)
-    again.attach(path, b"B")
+    again.attach(path, lambda: b"B")
     assert not summed(again, whole)  # at B the pair was summed: whole - pair isolates p3
     again.log.close()
 
@@ -174,7 +174,7 @@ def test_a_checkpoint_keeps_the_versions_a_session_can_come_back_to_and_drops_th
     ids = np.arange(4, dtype=np.int64)
     whole = [frozenset(PARTIES[:3])]
     guard = _bare_guard()
-    guard.attach(path, b"start")
+    guard.attach(path, lambda: b"start")
     for version in (b"start", b"s1", b"s2", b"e0", b"s3", b"e1", b"s4", b"e2"):
         guard.after(_Update(), digest=lambda version=version: version)
         assert guard.families.admit("rep", ids, whole) is None

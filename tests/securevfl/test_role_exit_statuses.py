@@ -78,21 +78,11 @@ def test_each_role_command_ends_with_the_status_of_its_stop(
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("where", ["active", "party"])
-def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypatch, where):
-    """The role whose budget ran out, the aggregator it reports to and every role the
-    aggregator stops: all 3, as the README says (they used to end with 4, "lost")."""
+def _run_recording_statuses(cfg, out, monkeypatch):
+    """An in-process federation of `cfg`: (its status, its metrics, every role's status)."""
     import securevfl.launcher
     from securevfl.inproc import run_federation
 
-    raw, d = small_federation
-    raw["train"]["epochs"] = 3
-    if where == "active":
-        raw["privacy"] = {"label_dp": {"noise_multiplier": 2.0, "clip": 1.0}}
-        raw["active"]["max_epsilon"] = 2.5  # two epochs fit, the third does not
-    else:
-        raw["parties"]["beta"]["embedding_dp"] = {"noise_multiplier": 2.0, "clip": 1.0}
-        raw["parties"]["beta"]["max_epsilon"] = 2.5
     seen: dict[str, int] = {}
     overall = securevfl.launcher.overall_status
 
@@ -101,7 +91,23 @@ def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypat
         return overall(codes, **kwargs)
 
     monkeypatch.setattr(securevfl.launcher, "overall_status", record)
-    code, metrics = run_federation(make_config(raw, d), out=d / "run")
+    code, metrics = run_federation(cfg, out=out)
+    return code, metrics, seen
+
+
+@pytest.mark.parametrize("where", ["active", "party"])
+def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypatch, where):
+    """The role whose budget ran out, the aggregator it reports to and every role the
+    aggregator stops: all 3, as the README says (they used to end with 4, "lost")."""
+    raw, d = small_federation
+    raw["train"]["epochs"] = 3
+    if where == "active":
+        raw["privacy"] = {"label_dp": {"noise_multiplier": 2.0, "clip": 1.0}}
+        raw["active"]["max_epsilon"] = 2.5  # two epochs fit, the third does not
+    else:
+        raw["parties"]["beta"]["embedding_dp"] = {"noise_multiplier": 2.0, "clip": 1.0}
+        raw["parties"]["beta"]["max_epsilon"] = 2.5
+    code, metrics, seen = _run_recording_statuses(make_config(raw, d), d / "run", monkeypatch)
     assert code == EXIT_BUDGET and metrics is None
     assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], EXIT_BUDGET)
 
@@ -112,20 +118,9 @@ def test_a_data_mistake_found_by_a_method_ends_every_role_with_status_2(
     """Split-NN on rows some party lacks stops at its fit, naming the methods that serve such
     rows: the active party, the aggregator and every party end 2 (bad input), not 1 (internal
     error) and 4 (lost), which would say to restart and resume."""
-    import securevfl.launcher
-    from securevfl.inproc import run_federation
-
     raw, d = small_federation
     raw["missing"] = {"train": {"kind": "mcar", "p": 0.2}}
-    seen: dict[str, int] = {}
-    overall = securevfl.launcher.overall_status
-
-    def record(codes, **kwargs):
-        seen.update(codes)
-        return overall(codes, **kwargs)
-
-    monkeypatch.setattr(securevfl.launcher, "overall_status", record)
-    code, metrics = run_federation(make_config(raw, d), out=d / "run")
+    code, metrics, seen = _run_recording_statuses(make_config(raw, d), d / "run", monkeypatch)
     assert code == 2 and metrics is None
     assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], 2), seen
 
