@@ -1,3 +1,3 @@
-from securevfl.cli import main
+from securevfl.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -173,3 +173,43 @@ def stratified_split(
         for p, chunk in enumerate(np.split(idx, cuts)):
             parts[p].append(chunk)
     return tuple(np.sort(np.concatenate(p)) for p in parts)
+
+
+# VFEM's simulated design (shared/methods/vfem.md §7.2, `securevfl example vfem-simulated`):
+# three parties of (3, 2, 2) columns, x^k ~ N(0, AR1(0.5)) independent across parties,
+# y = 0.5 + x'beta + N(0, 1), each party lacking 20 %, 40 %, 60 % of the rows.
+VFEM_DIMS = (3, 2, 2)
+VFEM_BETA = np.array([1.0, -0.5, 0.8, 1.0, 0.5, -1.0, 0.6])
+VFEM_MISSING = (0.2, 0.4, 0.6)
+
+
+def vfem_simulated(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x with empty (NaN) cells where a party lacks the row, y)."""
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for p in VFEM_DIMS:
+        cov = 0.5 ** np.abs(np.subtract.outer(np.arange(p), np.arange(p)))
+        blocks.append(rng.multivariate_normal(np.zeros(p), cov, size=n))
+    x = np.concatenate(blocks, axis=1)
+    y = 0.5 + x @ VFEM_BETA + rng.normal(size=n)
+    start = 0
+    for p, rate in zip(VFEM_DIMS, VFEM_MISSING, strict=True):
+        x[rng.random(n) < rate, start : start + p] = np.nan
+        start += p
+    return x, y
+
+
+def write_vfem_simulated_csv(path: Path, n: int = 2000, seed: int = 0) -> None:
+    """Write the simulated table (ID, X1..X7 with empty cells, Y) of `vfem_simulated.toml`."""
+    from securevfl.data.table import write_csv
+
+    x, y = vfem_simulated(n, seed)
+    write_csv(
+        path,
+        id_column="ID",
+        ids=np.arange(1, n + 1),
+        columns=[f"X{i + 1}" for i in range(x.shape[1])],
+        values=x,
+        label="Y",
+        labels=y,
+    )

@@ -11,51 +11,63 @@
 Releases to other parties (label DP, embedding DP) are accounted without subsampling
 amplification, because every party learns which rows are in each batch; only DP-SGD on a
 model that leaves the party may claim it.
+
+Names are imported from their submodule on first use (PEP 562): a role that only appends to
+the ledger does not load Opacus, scikit-learn and their dependencies (~2 s of start-up on a
+small machine).
 """
 
-from securevfl.privacy.accounting import (
-    ACCOUNTANTS,
-    AccountingWarning,
-    calibrate_noise,
-    default_delta,
-    epsilon,
-    epsilon_by_role,
-    histories_by_role,
-)
-from securevfl.privacy.attacks import (
-    LeakageMeasurement,
-    attack_auc,
-    best_of_both_auc,
-    direction_scores,
-    measure_label_leakage,
-    norm_scores,
-)
-from securevfl.privacy.audit import (
-    NO_GUARANTEE,
-    AuditReport,
-    AuditRow,
-    UnprotectedRelease,
-    audit,
-    format_report,
-)
-from securevfl.privacy.budget import BudgetExceeded, PrivacyBudget
-from securevfl.privacy.dpsgd import make_private_model
-from securevfl.privacy.ledger import (
-    LEDGER_FILENAME,
-    LedgerError,
-    LedgerEvent,
-    PrivacyLedger,
-)
-from securevfl.privacy.mechanisms import (
-    DPSGD,
-    MECHANISMS,
-    EmbeddingDP,
-    LabelGradientDP,
-    Mechanism,
-    ReleaseMechanism,
-    create_mechanism,
-    register_mechanism,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SOURCE = {
+    "ACCOUNTANTS": "accounting",
+    "AccountingWarning": "accounting",
+    "AuditReport": "audit",
+    "AuditRow": "audit",
+    "BudgetExceeded": "budget",
+    "DPSGD": "mechanisms",
+    "EmbeddingDP": "mechanisms",
+    "LEDGER_FILENAME": "ledger",
+    "LabelGradientDP": "mechanisms",
+    "LeakageMeasurement": "attacks",
+    "LedgerError": "ledger",
+    "LedgerEvent": "ledger",
+    "MECHANISMS": "mechanisms",
+    "Mechanism": "mechanisms",
+    "NO_GUARANTEE": "audit",
+    "PrivacyBudget": "budget",
+    "PrivacyLedger": "ledger",
+    "ReleaseMechanism": "mechanisms",
+    "UnprotectedRelease": "audit",
+    "attack_auc": "attacks",
+    "audit": "audit",
+    "best_of_both_auc": "attacks",
+    "calibrate_noise": "accounting",
+    "create_mechanism": "mechanisms",
+    "default_delta": "accounting",
+    "direction_scores": "attacks",
+    "epsilon": "accounting",
+    "epsilon_by_role": "accounting",
+    "format_report": "audit",
+    "histories_by_role": "accounting",
+    "make_private_model": "dpsgd",
+    "measure_label_leakage": "attacks",
+    "norm_scores": "attacks",
+    "register_mechanism": "mechanisms",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _SOURCE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ACCOUNTANTS",

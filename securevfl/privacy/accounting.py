@@ -29,8 +29,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
 
 from securevfl.privacy.ledger import LedgerEvent, merge_history
 
@@ -120,7 +118,13 @@ def validate_history(history: Iterable[Sequence[float]]) -> History:
     return out
 
 
+# Opacus is imported where an accountant is first used (about a second of start-up, with
+# torch.distributed and sympy, that a role without DP never needs)
+
+
 def _rdp(history: History, delta: float) -> float:
+    from opacus.accountants import RDPAccountant
+
     acc = RDPAccountant()
     acc.history = list(history)
     with _quiet_opacus():
@@ -128,6 +132,8 @@ def _rdp(history: History, delta: float) -> float:
 
 
 def _prv(history: History, delta: float) -> float:
+    from opacus.accountants import PRVAccountant
+
     acc = PRVAccountant()
     acc.history = list(history)
     with _quiet_opacus():
@@ -205,6 +211,8 @@ def calibrate_noise(
     validate_history([(1.0, sample_rate, steps)])
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps!r}")
+    from opacus.accountants.utils import get_noise_multiplier
+
     try:
         with _quiet_opacus():
             sigma = get_noise_multiplier(

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import secrets
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
-from opacus import GradSampleModule
-from opacus.optimizers import DPOptimizer
-from opacus.validators import ModuleValidator
 from torch import nn
+
+if TYPE_CHECKING:  # Opacus is imported on first use: a second of start-up a role without DP-SGD
+    from opacus import GradSampleModule  # never needs
+    from opacus.optimizers import DPOptimizer
 
 __all__ = ["make_private_model"]
 
@@ -99,6 +101,10 @@ def make_private_model(
         raise ValueError(f"expected_batch_size must be an int >= 1, got {expected_batch_size!r}")
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
+
     if isinstance(model, GradSampleModule):
         raise ValueError("model is already a GradSampleModule; pass the plain nn.Module")
     if isinstance(optimizer, DPOptimizer):

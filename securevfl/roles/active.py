@@ -118,7 +118,8 @@ def run_active(
         write_metrics(run_dir, metrics)
         method.report(run_dir, out)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in test.items() if isinstance(v, float))
-        print(f"test: {shown}", file=out, flush=True)
+        if shown:  # a method whose output is its report (VFEM's coefficients) has no test metrics
+            print(f"test: {shown}", file=out, flush=True)
         logger.info("finished; test metrics %s", test)
         return P.EXIT_OK
 
@@ -272,11 +273,14 @@ def run_active_scoring(
 
 
 def write_predictions(path: Path, table: Any, ids: np.ndarray, outputs: np.ndarray) -> Path:
-    """id (as written in the data) and the model's output(s), one row each."""
+    """id (as written in the data) and the model's output(s), one row each: one column `output`
+    where a row has one value (a binary logit, a regression value, a voted class), else
+    `output_0` .. `output_{C-1}` (a multiclass model's logits)."""
     import csv
 
     outputs = np.asarray(outputs)
-    cols = ["output"] if outputs.ndim == 1 else [f"output_{j}" for j in range(outputs.shape[1])]
+    width = 1 if outputs.ndim == 1 else int(np.prod(outputs.shape[1:]))
+    cols = ["output"] if width == 1 else [f"output_{j}" for j in range(width)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     outputs = outputs.reshape(len(ids), -1)

@@ -538,7 +538,12 @@ class PartyRound:
         )
         import hmac
 
-        if not hmac.compare_digest(bytes.fromhex(str(tags.get(self.name, ""))), expected):
+        tag = tags.get(self.name) if isinstance(tags, Mapping) else None
+        try:
+            given = bytes.fromhex(tag) if isinstance(tag, str) else b""
+        except ValueError:  # not hex: no tag
+            given = b""
+        if not hmac.compare_digest(given, expected):
             raise RunAborted(
                 "the CKKS public context failed authentication: it was not sent by the active "
                 f"party {active!r} (the aggregator or the network altered it); refusing to encrypt"

@@ -71,9 +71,11 @@ def test_audit_of_a_directory_without_a_ledger_exits_2(tmp_path, capsys):
     assert "no privacy ledger" in capsys.readouterr().err
 
 
-@pytest.mark.multiprocess
 def test_run_exits_3_when_a_party_budget_runs_out_and_the_audit_shows_it(small_federation):
+    """Through the command, the roles as threads of one process (every role's own status as a
+    process: test_role_exit_statuses.py, test_hostile_roles.py)."""
     raw, d = small_federation
+    raw["run"]["transport"] = "inproc"
     raw["train"]["epochs"] = 4
     raw["parties"]["gamma"]["embedding_dp"] = {"noise_multiplier": 2.0, "clip": 1.0}
     raw["parties"]["gamma"]["max_epsilon"] = 2.5  # two epochs fit (2.33), a third does not

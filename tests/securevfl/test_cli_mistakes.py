@@ -451,3 +451,25 @@ def test_the_address_file_is_written_whole_and_awaited(tmp_path, monkeypatch):
     (tmp_path / "bad.txt").write_text("tcp://127.0.0.1:0\n")
     with pytest.raises(ConfigError, match="port 0"):
         L.await_address(tmp_path / "bad.txt", timeout=0.1)
+
+
+@pytest.mark.parametrize("command", [["example"], ["methods", "laser"]])
+def test_output_into_a_closed_pipe_ends_quietly(command):
+    """`securevfl audit RUN | head`: the reader stops early; the command exits 0 with nothing on
+    stderr (no BrokenPipeError traceback), whether the write or the exit's flush meets it."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "securevfl", *command],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 0 and done.stderr == "", done.stderr

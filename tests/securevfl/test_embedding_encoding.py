@@ -520,7 +520,7 @@ def test_securevfl_predict_with_embeddings_equals_in_process_scoring(tmp_path):
     done = securevfl_cli("predict", str(tmp_path / "run"), "--data", str(tmp_path / "new.csv"))
     assert done.returncode == 0, done.stderr[-2000:]
     with (tmp_path / "run" / "predict" / "predictions.csv").open() as fh:
-        by_id = {r["id"]: float(r["output_0"]) for r in csv.DictReader(fh)}
+        by_id = {r["id"]: float(r["output"]) for r in csv.DictReader(fh)}
     model = securevfl.load(tmp_path / "run")
     assert categorical_encoding(model.config, "crm") == "embedding"
     ids, outputs = model.predict(tmp_path / "new.csv")

@@ -26,8 +26,9 @@ from securevfl.data.table import role_data_path, split_federation
 from securevfl.keys import generate_keys, load_public, load_secrets
 from securevfl.methods import SumSpec
 from securevfl.roles import protocol as P
-from securevfl.roles.guard import auth_key, call_tags
+from securevfl.roles.guard import auth_key, call_tags, run_terms
 from securevfl.roles.rounds import Call
+from securevfl.secure_sum import ckks_context_tag, ckks_params
 from tests.securevfl.conftest import synthetic_csv, write_toml
 from transport import Allowlist, Envelope, Hub, ReceiveTimeout
 
@@ -58,17 +59,27 @@ class Attacker:
     modified active party (with the active party's real masking key)."""
 
     def __init__(
-        self, root: Path, on_refusal: str = "skip", *, again: bool = False, welcome=None
+        self,
+        root: Path,
+        on_refusal: str = "skip",
+        *,
+        again: bool = False,
+        welcome=None,
+        edit=None,
     ) -> None:
         """`again`: a new session of the federation set up in `root` before (same data, keys
         and run directory: the parties' own disks); `welcome(party, meta)`: the WELCOME meta a
-        modified aggregator sends that party instead."""
+        modified aggregator sends that party instead; `edit(raw)`: changes the federation's
+        config (every role's) before it is written."""
         if not again:
             synthetic_csv(root / "data.csv", n=200)
-        config = write_toml(federation_raw(on_refusal), root / "config.toml", strict=True)
+        raw = federation_raw(on_refusal)
+        if edit is not None:
+            edit(raw)
+        config = write_toml(raw, root / "config.toml", strict=True)
         self.cfg = load_config(config)
         self.run_dir = root / "run"
-        keys = root / "keys"
+        keys = self.keys_dir = root / "keys"
         if not again:
             split_federation(self.cfg, self.run_dir)
             generate_keys(self.cfg.role_names, keys)
@@ -162,11 +173,12 @@ class Attacker:
         sign=True,
         round=None,
         kept=None,
+        answered=True,
     ):
         """Sign a call as the active party would (unless `sign` is False), let `tamper` change
         the envelope as a modified aggregator would, send it, and return each party's reply
         (`kept`: a list the sent envelope is appended to, as an aggregator keeps one to replay
-        later)."""
+        later; `answered=False`: send only, for a call the parties stop on)."""
         self.round = self.round + 1 if round is None else round
         call = Call(
             op=op,
@@ -188,6 +200,10 @@ class Attacker:
             tamper(env)
         if kept is not None:
             kept.append(env)
+        if not answered:
+            for p in to:
+                self.hub.send(p, env)
+            return {}
         return self.send(env, to)
 
     def send(self, env, to):
@@ -197,6 +213,8 @@ class Attacker:
         deadline = time.monotonic() + 60
         while len(replies) < len(to):
             assert time.monotonic() < deadline, f"no answer from {set(to) - set(replies)}"
+            if all(self.procs[p].poll() is not None for p in set(to) - set(replies)):
+                break  # the others stopped instead of answering (their exit says why)
             try:
                 reply = self.hub.recv(timeout=1.0)
             except ReceiveTimeout:
@@ -205,21 +223,35 @@ class Attacker:
                 replies[reply.sender] = reply
         return replies
 
-    def setup(self):
-        run = {
-            "method": "splitnn",
-            "aggregation": "mask",
-            "min_group": 2,
-            "pipeline_depth": 0,
-            "aggregator_in_active": False,
-        }
+    def setup(self, *, args=None, inputs=None, tamper=None, answered=True):
+        """The active party's set-up call (`args`, `inputs`: added to or replacing its own;
+        `tamper`, `answered`: as in `call`)."""
         return self.call(
             "setup",
             ids=np.empty(0, dtype=np.int64),
-            args={"run": run},
-            inputs={"train_ids": self.ids, "all_ids": self.ids},
+            args={"run": run_terms(self.cfg), **(args or {})},
+            inputs={"train_ids": self.ids, "all_ids": self.ids, **(inputs or {})},
             collect=("present",),
+            tamper=tamper,
+            answered=answered,
         )
+
+    def ckks_setup(self, context: bytes):
+        """The args and inputs by which the active party (the key holder) hands each party the
+        public `context`, with its end-to-end tag for that party."""
+        public = load_public(self.keys_dir)
+        tags = {
+            p: ckks_context_tag(
+                context=context,
+                my_keypair=self.active.mask,
+                me="active",
+                peer=p,
+                peer_public=public.mask[p],
+                session=self.session,
+            ).hex()
+            for p in PARTIES
+        }
+        return {"ckks_tags": tags}, {"ckks_context": np.frombuffer(context, dtype=np.uint8)}
 
     def close(self):
         for p in PARTIES:
@@ -601,3 +633,61 @@ def test_a_session_without_the_partys_fresh_nonce_is_refused(tmp_path):
         assert a.procs["p2"].poll() is None and a.procs["p3"].poll() is None  # they joined
     finally:
         a.close()
+
+
+def test_a_ckks_party_refuses_a_swapped_context_a_resume_it_lacks_and_calls_past_its_budget(
+    tmp_path,
+):
+    """CKKS parties with embedding DP and a privacy budget, against a modified aggregator and a
+    modified active party (one set of processes, the attacks in order):
+
+    1. A set-up resuming from an epoch of which the party has no checkpoint: refused (rule
+       `resume epoch`); nothing is loaded.
+    2. The aggregator swaps the active party's public context for one whose secret key it
+       holds (it would then decrypt every contribution): refused (the call no longer matches
+       the active party's tag). The context's own end-to-end tag, checked after, is tested in
+       `test_ckks_context_tag.py`.
+    3. The honest set-up is served; then the modified active party asks for the same rows
+       again and again: each forward spends embedding-DP budget, and the one that would pass
+       `max_epsilon` is refused before anything is released (the parties stop, exit 3); the
+       ledger's spend stays within the budget."""
+    from crypto.ckks import CkksKeyHolder
+
+    def ckks_with_budget(raw):
+        raw["run"]["aggregation"] = "ckks"
+        for p in PARTIES:
+            raw["parties"][p]["embedding_dp"] = {"noise_multiplier": 2.0, "clip": 1.0}
+            raw["parties"][p]["max_epsilon"] = 3.0
+
+    a = Attacker(tmp_path, edit=ckks_with_budget)
+    rows = np.arange(1, 41, dtype=np.int64)
+    try:
+        args, inputs = a.ckks_setup(CkksKeyHolder(params=ckks_params(a.cfg)).public_context_bytes())
+        refused(a.setup(args={**args, "resume_epoch": 3}, inputs=inputs), "resume epoch")
+        swapped = CkksKeyHolder(params=ckks_params(a.cfg)).public_context_bytes()
+
+        def swap(env):
+            env.tensors["ckks_context"] = np.frombuffer(swapped, dtype=np.uint8)
+
+        refused(a.setup(args=args, inputs=inputs, tamper=swap), "authentication")
+        assert all(r.kind == P.CONTRIB for r in a.setup(args=args, inputs=inputs).values())
+        served = 0
+        while True:
+            replies = a.call("forward", ids=rows, args={"train": False}, sums=everything([]))
+            if len(replies) < len(PARTIES) or any(r.kind != P.CONTRIB for r in replies.values()):
+                break
+            served += 1
+            assert served < 100, "the budget never ran out"
+        assert served >= 1  # the budget paid for some calls, then refused
+        assert not [p for p, r in replies.items() if r.kind == P.CONTRIB], replies
+        for p in PARTIES:
+            assert a.procs[p].wait(timeout=60) == P.EXIT_BUDGET
+            assert "privacy budget exhausted" in a.procs[p].stderr.read()
+    finally:
+        a.close()
+    from securevfl.privacy.audit import audit
+
+    report = audit(a.run_dir / "ledger.jsonl")
+    spent = {(row.role, row.mechanism): row.epsilon for row in report.rows if row.epsilon}
+    assert {p for p, m in spent if m == "embedding_dp"} == set(PARTIES), spent
+    assert all(eps <= 3.0 for (_, m), eps in spent.items() if m == "embedding_dp"), spent

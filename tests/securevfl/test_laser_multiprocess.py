@@ -1,6 +1,6 @@
 """LASER-VFL as real OS processes over ZeroMQ with CURVE: a passive party killed with SIGKILL
-mid-training is treated as missing from then on and the run finishes; CKKS aggregation trains
-LASER-VFL as the masked sum does."""
+mid-training is treated as missing from then on and the run finishes. (LASER-VFL over CKKS
+trains as over the masked sum: `test_method_goldens.py`, case laser-ckks.)"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.securevfl.conftest import kill_role_after_epoch, securevfl_cli, write_toml
+from tests.securevfl.conftest import kill_role_after_epoch, write_toml
 from tests.securevfl.test_laser import block_csv
 
 pytestmark = pytest.mark.multiprocess
@@ -37,7 +37,7 @@ def laser_raw(directory, *, aggregation: str, epochs: int, n: int = 400) -> dict
 
 
 def test_sigkilled_party_is_treated_as_missing_and_laser_finishes(tmp_path):
-    raw = laser_raw(tmp_path, aggregation="mask", epochs=12)
+    raw = laser_raw(tmp_path, aggregation="mask", epochs=6)
     config = write_toml(raw, tmp_path / "config.toml")
     run_dir = tmp_path / "run"
     code, _, stderr, pids, _ = kill_role_after_epoch(config, run_dir, "p2")
@@ -56,24 +56,3 @@ def test_sigkilled_party_is_treated_as_missing_and_laser_finishes(tmp_path):
     for role in ("aggregator", "active", "p0", "p1", "p3"):
         with pytest.raises(ProcessLookupError):
             os.kill(pids[role], 0)
-
-
-def test_laser_trains_over_ckks_as_over_the_masked_sum(tmp_path):
-    out = {}
-    for aggregation in ("mask", "ckks"):
-        d = tmp_path / aggregation
-        d.mkdir()
-        raw = laser_raw(d, aggregation=aggregation, epochs=3, n=300)
-        config = write_toml(raw, d / "config.toml")
-        done = securevfl_cli("run", str(config), "--out", str(d / "run"), timeout=400)
-        assert done.returncode == 0, done.stderr
-        out[aggregation] = json.loads((d / "run" / "metrics.json").read_text())
-    mask, ckks = out["mask"], out["ckks"]
-    assert ckks["aggregation"] == "ckks"
-    # CKKS sums carry ~1e-7 relative noise: the same seed trains (almost) the same model
-    assert ckks["test"]["accuracy"] == pytest.approx(mask["test"]["accuracy"], abs=0.03)
-    assert ckks["history"][-1]["loss"] == pytest.approx(mask["history"][-1]["loss"], rel=1e-2)
-    assert ckks["history"][-1]["skipped_tasks"] == mask["history"][-1]["skipped_tasks"]
-    # ciphertexts are much larger than masked fixed-point vectors
-    sent = {a: sum(r.get("bytes_sent", 0) for r in out[a]["roles"].values()) for a in out}
-    assert sent["ckks"] > 3 * sent["mask"]

@@ -10,6 +10,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
+
+from securevfl.config import load_config
+from securevfl.data.table import read_csv_columns
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -43,7 +48,7 @@ def test_the_wheel_carries_the_packages_the_examples_and_the_command(tmp_path):
     ):
         assert wanted in names, wanted
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "securevfl = securevfl.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "securevfl = securevfl.cli:entry" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_a_foreign_crypto_package_is_refused_at_import(tmp_path):
@@ -68,7 +73,31 @@ def test_securevfl_example_writes_a_runnable_config(tmp_path):
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "vfem_simulated.toml").exists() and "put the table at" in done.stdout
+    assert (tmp_path / "vfem_simulated.toml").exists() and "its table" in done.stdout
+    cfg = load_config(tmp_path / "vfem_simulated.toml")
+    ids, x, _ = read_csv_columns(
+        cfg.data_path, id_column="ID", columns=[c for p in cfg.parties for c in p.columns]
+    )
+    assert len(ids) == 2000 and np.isnan(x).any()  # parties lack rows: empty cells
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", "example", "breast-cancer", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    cfg = load_config(tmp_path / "breast_cancer.toml")
+    ids, x, _ = read_csv_columns(
+        cfg.data_path, id_column="ID", columns=[c for p in cfg.parties for c in p.columns]
+    )
+    assert x.shape == (569, 30)
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", "example", "credit-laser", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0 and "put the table at" in done.stdout, done.stderr
     listing = subprocess.run(
         [sys.executable, "-m", "securevfl", "example"], capture_output=True, text=True, cwd=REPO
     )

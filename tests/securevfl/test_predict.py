@@ -41,7 +41,7 @@ def test_securevfl_predict_equals_in_process_scoring(tmp_path):
     with (tmp_path / "run" / "predict" / "predictions.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     ids, outputs = securevfl.load(tmp_path / "run").predict(tmp_path / "new.csv")
-    by_id = {r["id"]: float(r["output_0"]) for r in rows}
+    by_id = {r["id"]: float(r["output"]) for r in rows}
     assert sorted(by_id) == sorted(ids.tolist()) and len(ids) == 60
     assert all(i.startswith("cust-") for i in ids)  # the ids as written
     assert np.allclose([by_id[i] for i in ids], outputs.reshape(-1), atol=1e-6, rtol=0)

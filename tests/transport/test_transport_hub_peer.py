@@ -109,6 +109,31 @@ def test_peer_with_a_key_outside_the_allowlist_is_refused_and_logged(
         outsider.recv(timeout=2)
 
 
+def test_a_client_without_curve_is_never_heard_and_the_honest_peers_are(
+    make_hub, make_peer, closer
+):
+    """A plaintext (NULL mechanism) client reaches the hub's port and sends a well-formed
+    envelope under a role's name: the CURVE handshake never completes, so nothing it sends is
+    delivered, and the hub keeps serving the federation's peers."""
+    hub = make_hub()
+    context = closer(zmq.Context())
+    plain = closer(context.socket(zmq.DEALER))
+    plain.linger = 0
+    plain.routing_id = b"party1/" + uuid.uuid4().hex.encode()
+    plain.connect(hub.endpoint)
+    forged = pack(Envelope(kind="contribution", sender="party1", meta={"evil": True}))
+    for _ in range(3):
+        with contextlib.suppress(zmq.Again):
+            plain.send_multipart(forged, flags=zmq.NOBLOCK)
+    honest = make_peer("party1", hub)
+    honest.send(Envelope(kind="contribution", sender="party1", meta={"honest": True}))
+    got = hub.recv(timeout=3)
+    assert got.meta == {"honest": True}
+    with pytest.raises(ReceiveTimeout):
+        hub.recv(timeout=0.5)  # nothing from the plaintext client, ever
+    assert set(hub.connected()) == {"party1"}
+
+
 def test_send_to_a_role_that_never_connected_is_refused(make_hub):
     hub = make_hub()
     with pytest.raises(TransportError, match="'party2': it has not connected"):
