@@ -14,6 +14,7 @@ what stops a ckks run from silently continuing as mask.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -23,7 +24,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,32 @@ def check_resume(
     refused-but-forced changes.
     """
     run_dir = Path(run_dir)
+    with records_locked(run_dir):
+        return _check_resume(
+            run_dir,
+            cfg,
+            data=data,
+            force=force,
+            who=who,
+            logger=logger,
+            config_path=config_path,
+            overrides=overrides,
+            always_note=always_note,
+        )
+
+
+def _check_resume(
+    run_dir: Path,
+    cfg: RunConfig,
+    *,
+    data: Mapping[str, str],
+    force: bool,
+    who: str,
+    logger: logging.Logger | None,
+    config_path: Path | None,
+    overrides: Mapping[str, Any] | None,
+    always_note: bool,
+) -> dict[str, tuple[Any, Any]]:
     record = read_record(run_dir)
     if record is None:
         _warn(logger, f"{run_dir} holds no {EFFECTIVE_CONFIG}: the resumed config is not checked")
@@ -302,6 +329,25 @@ def check_resume(
         _warn(logger, f"--force: resuming with a changed config: {shown}")
         _note_in_ledger(run_dir, who=who, detail=f"resumed with --force; config changed: {shown}")
     return refused
+
+
+@contextlib.contextmanager
+def records_locked(run_dir: Path) -> Iterator[None]:
+    """One writer of a run directory's records at a time: the roles of `securevfl run` share
+    one directory and each reads, changes and writes `effective_config.json` and `run.json`
+    on `--resume` (entries were lost when two did at once). An exclusive `flock` on
+    ``RUN_DIR/.records.lock``, released when the file closes (or its process dies). Not
+    re-entrant: take it once per read-change-write."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / ".records.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _note_in_run_record(
@@ -392,6 +438,19 @@ def role_run_record(
             overrides=overrides,
         )
         return
+    with records_locked(run_dir):
+        _record_fresh_start(cfg, run_dir, role, data, logger, config_path, overrides)
+
+
+def _record_fresh_start(
+    cfg: RunConfig,
+    run_dir: Path,
+    role: str,
+    data: dict[str, str],
+    logger: logging.Logger,
+    config_path: Path | None,
+    overrides: Mapping[str, Any] | None,
+) -> None:
     record = read_record(run_dir)
     if record is not None:
         same = record["hash"] == config_hash(effective_config(cfg), record.get("data", {}))

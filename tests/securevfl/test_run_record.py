@@ -162,3 +162,36 @@ def _write_many(target, n):
 
     for i in range(n):
         _write_json(target, {"n": i})
+
+
+RESUMER = r"""
+import sys, time
+from pathlib import Path
+from securevfl.config import load_config
+from securevfl.run_record import check_resume
+config, out, role, start = sys.argv[1], Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+cfg = load_config(config)
+time.sleep(max(0.0, start - time.time()))  # every role at once, as `securevfl run` starts them
+check_resume(out, cfg, data={}, force=True, who=role, config_path=Path(config), always_note=True)
+"""
+
+
+def test_roles_resuming_at_once_each_list_their_resume(finished):
+    """The roles of a resumed run share the directory and each records its resume (read, add,
+    write): started at the same instant, none of their entries is lost."""
+    import subprocess
+    import sys
+    import time
+
+    config, out = finished
+    roles = ["aggregator", "active", "alpha", "beta", "gamma", "delta"]
+    start = time.time() + 2.0
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RESUMER, str(config), str(out), r, str(start)])
+        for r in roles
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0] * len(roles)
+    effective = json.loads((out / EFFECTIVE_CONFIG).read_text())
+    run = json.loads((out / RUN_RECORD).read_text())
+    assert sorted(e["by"] for e in effective["resumes"]) == sorted(roles)
+    assert sorted(e["by"] for e in run["resumes"]) == sorted(roles)
