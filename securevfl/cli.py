@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from securevfl.config import ConfigError, RunConfig, load_config
-from securevfl.errors import SecureVFLError, exit_code_for
+from securevfl.errors import EXIT_PIPE_CLOSED, SecureVFLError, exit_code_for
 from securevfl.roles import protocol as P
 
 EXAMPLES = Path(__file__).parent / "examples"
@@ -213,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _prepare_threads(args)  # before anything imports NumPy or torch
     debug = getattr(args, "debug", False)
     previous, interrupted = _interrupt_once()
+    status = None
     try:
         status = _dispatch(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -228,8 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say("interrupted; continue later with --resume", debug)
         return exit_code_for(exc)
     except BrokenPipeError:  # whoever read the output stopped (`securevfl audit RUN | head`)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit flushes nowhere
-        return P.EXIT_OK
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's flush goes nowhere
+        os.close(devnull)
+        # finished: its own status stands; cut short by the closed pipe: as a shell reports it
+        return EXIT_PIPE_CLOSED if status is None else status
     except OSError as exc:  # a path that cannot be read or written: the user's to fix
         _say(f"{exc}", debug)
         return P.EXIT_USAGE
@@ -274,7 +278,7 @@ def _exit_without_teardown(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing left to say
+        except (OSError, ValueError, AttributeError):  # closed, or None: nothing left to say
             pass
     os._exit(status)
 

@@ -17,6 +17,7 @@ EXIT_BUDGET = 3
 EXIT_PEER_LOST = 4
 EXIT_REFUSED = 5
 EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE, as a command killed by its closed pipe ends
 
 # status -> meaning, as the README's table says it
 EXIT_STATUSES: dict[int, str] = {
@@ -29,6 +30,8 @@ EXIT_STATUSES: dict[int, str] = {
     EXIT_REFUSED: "a party refused a call its release policy does not allow (its log and the "
     "ledger name the rule); nothing was released",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C); continue later with `--resume`",
+    EXIT_PIPE_CLOSED: "the reader of the output went away (piped into `head`) before the command "
+    "finished; nothing more was printed (a training run's checkpoints stand: `--resume`)",
 }
 
 

@@ -20,6 +20,8 @@ small machine).
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _SOURCE = {
@@ -67,6 +69,25 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
+
+
+class _Package(types.ModuleType):
+    """`securevfl.privacy.audit` is the function (as the eager imports made it), whichever was
+    imported first: importing the submodule `securevfl.privacy.audit` binds the package's
+    attribute to the module, which this setter ignores."""
+
+    @property
+    def audit(self) -> Any:
+        from securevfl.privacy.audit import audit
+
+        return audit
+
+    @audit.setter
+    def audit(self, value: Any) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

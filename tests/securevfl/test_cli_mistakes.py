@@ -455,8 +455,10 @@ def test_the_address_file_is_written_whole_and_awaited(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("command", [["example"], ["methods", "laser"]])
 def test_output_into_a_closed_pipe_ends_quietly(command):
-    """`securevfl audit RUN | head`: the reader stops early; the command exits 0 with nothing on
-    stderr (no BrokenPipeError traceback), whether the write or the exit's flush meets it."""
+    """`securevfl audit RUN | head`: the reader stops early; the command ends with nothing on
+    stderr (no BrokenPipeError traceback): 141 as a shell reports a command its closed pipe
+    stopped, where the write met it (PYTHONUNBUFFERED, as here), 0 where only the exit's flush
+    did (the command had finished)."""
     import subprocess
     import sys
 
@@ -472,4 +474,42 @@ def test_output_into_a_closed_pipe_ends_quietly(command):
         )
     finally:
         os.close(write)
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.returncode in (0, 141) and done.stderr == "", done.stderr
+
+
+def test_a_failed_command_keeps_its_status_when_its_output_pipe_is_closed():
+    """`securevfl run ... | head` under `set -o pipefail`: the pipe closing must not turn the
+    command's own failure into success."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from securevfl import cli\n"
+        "def failing(args):\n"
+        "    print('some output')\n"  # buffered (PYTHONUNBUFFERED unset below)
+        "    return 4\n"
+        "cli._dispatch = failing\n"
+        "sys.argv = ['securevfl', 'example']\n"
+        "cli.entry()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)
+    try:  # finished: the exit's flush meets the closed pipe
+        done = subprocess.run(
+            [sys.executable, "-c", probe], stdout=write, stderr=subprocess.PIPE, text=True, env=env
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 4 and done.stderr == "", done.stderr
+    probe = probe.replace("return 4", "print('more', flush=True)\n    return 4")
+    read, write = os.pipe()
+    os.close(read)
+    try:  # cut short by the closed pipe mid-command: not a success
+        done = subprocess.run(
+            [sys.executable, "-c", probe], stdout=write, stderr=subprocess.PIPE, text=True, env=env
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == "", done.stderr

@@ -112,3 +112,18 @@ def test_a_role_command_exits_after_its_hooks_and_threads_without_the_teardown(t
         assert "logged" in (out / "log.txt").read_text()
         # a role skips the interpreter's teardown; any other command exits as Python does
         assert (out / "finalised").exists() == (command != "party"), command
+
+
+def test_the_privacy_packages_names_all_resolve_and_audit_stays_the_function():
+    probe = (
+        "import securevfl.privacy.audit\n"  # the submodule first: it must not shadow the name
+        "import securevfl.privacy as p\n"
+        "assert all(getattr(p, n) is not None for n in p.__all__)\n"
+        "from securevfl.privacy import audit\n"
+        "print(callable(audit) and callable(p.audit) and audit.__module__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "securevfl.privacy.audit"
