@@ -65,40 +65,31 @@ def test_a_foreign_crypto_package_is_refused_at_import(tmp_path):
     assert "another installed distribution also provides 'crypto'" in done.stderr
 
 
-def test_securevfl_example_writes_a_runnable_config(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "securevfl", "example", "vfem-simulated", "--out", str(tmp_path)],
+def _example(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "securevfl", "example", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
     )
+
+
+def _party_columns(config: Path) -> np.ndarray:
+    cfg = load_config(config)
+    columns = [c for p in cfg.parties for c in p.columns]
+    return read_csv_columns(cfg.data_path, id_column="ID", columns=columns)[1]
+
+
+def test_securevfl_example_writes_a_runnable_config(tmp_path):
+    done = _example("vfem-simulated", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "vfem_simulated.toml").exists() and "its table" in done.stdout
-    cfg = load_config(tmp_path / "vfem_simulated.toml")
-    ids, x, _ = read_csv_columns(
-        cfg.data_path, id_column="ID", columns=[c for p in cfg.parties for c in p.columns]
-    )
-    assert len(ids) == 2000 and np.isnan(x).any()  # parties lack rows: empty cells
-    done = subprocess.run(
-        [sys.executable, "-m", "securevfl", "example", "breast-cancer", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    x = _party_columns(tmp_path / "vfem_simulated.toml")
+    assert len(x) == 2000 and np.isnan(x).any()  # parties lack rows: empty cells
+    done = _example("breast-cancer", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    cfg = load_config(tmp_path / "breast_cancer.toml")
-    ids, x, _ = read_csv_columns(
-        cfg.data_path, id_column="ID", columns=[c for p in cfg.parties for c in p.columns]
-    )
-    assert x.shape == (569, 30)
-    done = subprocess.run(
-        [sys.executable, "-m", "securevfl", "example", "credit-laser", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    assert _party_columns(tmp_path / "breast_cancer.toml").shape == (569, 30)
+    done = _example("credit-laser", "--out", str(tmp_path))
     assert done.returncode == 0 and "put the table at" in done.stdout, done.stderr
-    listing = subprocess.run(
-        [sys.executable, "-m", "securevfl", "example"], capture_output=True, text=True, cwd=REPO
-    )
+    listing = _example()
     assert "credit-laser" in listing.stdout and "breast-cancer" in listing.stdout
