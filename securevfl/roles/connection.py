@@ -3,6 +3,7 @@ turned into `RunAborted` with the name of whoever was lost."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -53,6 +54,8 @@ class RoleConnection:
         self.logger = logger
         self.nonce = nonce
         self.session_hex: str | None = None
+        # messages taken early, at a send (see `_stop_if_stopped`), in the order they came
+        self._early: collections.deque[Envelope] = collections.deque()
 
     @classmethod
     def connect(
@@ -112,8 +115,14 @@ class RoleConnection:
         return bytes.fromhex(session)
 
     def recv(self, *, timeout: float, waiting_for: str) -> Envelope:
+        env = self._early.popleft() if self._early else self._receive(timeout, waiting_for)
+        if env.kind in (P.ABORT, P.ERROR):
+            raise self._stopped(env)
+        return env
+
+    def _receive(self, timeout: float, waiting_for: str) -> Envelope:
         try:
-            env = self.peer.recv(timeout=timeout)
+            return self.peer.recv(timeout=timeout)
         except PeerLost as exc:
             raise P.RunAborted(
                 f"lost the aggregator ({exc}); restart the federation with --resume",
@@ -128,9 +137,23 @@ class RoleConnection:
                 f"nothing arrived within {timeout:.0f} s while waiting for {waiting_for}; "
                 "check that every role is running and reachable, or raise [network] timeouts"
             ) from None
-        if env.kind in (P.ABORT, P.ERROR):
-            raise self._stopped(env)
-        return env
+
+    def _stop_if_stopped(self) -> None:
+        """Before a send: a stop that reached this role while it computed (the aggregator's
+        ABORT, a role's ERROR) ends it now. The aggregator closes its socket right after such
+        a stop, and a send into a hub that is gone waits `peer_timeout` for it before failing;
+        a busy party learned why the run ended only then. Anything else that arrived early (a
+        pipelined call, a result) is kept, in order, for `recv`."""
+        while self.peer.waiting():
+            try:
+                env = self.peer.recv(timeout=0)
+            except ReceiveTimeout:  # only heartbeats were waiting
+                return
+            except TransportError:  # a lost or refusing hub: the send says so, as before
+                return
+            if env.kind in (P.ABORT, P.ERROR):
+                raise self._stopped(env)
+            self._early.append(env)
 
     def _stopped(self, env: Envelope) -> P.RunAborted:
         """The stop an ABORT or ERROR message announces. Its fields come from a peer: the
@@ -151,6 +174,7 @@ class RoleConnection:
 
     def send(self, env: Envelope) -> None:
         env.sender = self.name
+        self._stop_if_stopped()
         try:
             self.peer.send(env)
         except HandshakeFailed as exc:

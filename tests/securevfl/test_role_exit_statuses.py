@@ -279,3 +279,61 @@ def test_the_launcher_stops_the_others_when_a_party_dies_unless_dropouts_are_tol
     else:
         assert time.monotonic() - started < 30
         assert all(codes[r] == -signal.SIGTERM for r in ("aggregator", "active", "alpha"))
+
+
+class _QueuedPeer:
+    """A peer whose hub already sent `queued` (a heartbeat is skipped by `recv`, as the
+    transport does); records what the role sends."""
+
+    def __init__(self, queued):
+        self.queued, self.sent = list(queued), []
+
+    def waiting(self):
+        return bool(self.queued)
+
+    def recv(self, *, timeout):
+        from transport import ReceiveTimeout
+
+        if not self.queued:
+            raise ReceiveTimeout("nothing")
+        return self.queued.pop(0)
+
+    def send(self, env):
+        self.sent.append(env)
+
+
+def _connection(peer):
+    from securevfl.roles.connection import RoleConnection
+
+    return RoleConnection(
+        cfg=_Cfg(),  # type: ignore[arg-type]
+        name="alpha",
+        peer=peer,  # type: ignore[arg-type]
+        secrets=None,  # type: ignore[arg-type]
+        public=None,  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        nonce="",
+    )
+
+
+def test_a_stop_that_came_while_the_party_computed_ends_it_before_it_sends():
+    """The aggregator's ABORT reached a party busy with a round; the aggregator then closed, so
+    a send would wait `peer_timeout` for a hub that no longer reads. The party stops with the
+    abort's cause and sends nothing; a message that came before the ABORT is kept for later."""
+    call = Envelope(kind=P.CALL, sender="aggregator", round=7)
+    abort = Envelope(kind=P.ABORT, sender="aggregator", meta={"reason": "budget", "budget": True})
+    peer = _QueuedPeer([call, abort])
+    conn = _connection(peer)
+    with pytest.raises(RunAborted, match="budget") as stop:
+        conn.send(Envelope(kind=P.CONTRIB, sender="alpha", round=6))
+    assert stop.value.exit_code == EXIT_BUDGET and peer.sent == []
+    assert conn.recv(timeout=1, waiting_for="x").round == 7  # kept, in order
+
+
+def test_messages_that_came_early_are_received_in_order_after_a_send():
+    first, second = (Envelope(kind=P.CALL, sender="aggregator", round=r) for r in (7, 8))
+    peer = _QueuedPeer([first, second])
+    conn = _connection(peer)
+    conn.send(Envelope(kind=P.CONTRIB, sender="alpha", round=6))
+    assert [e.round for e in peer.sent] == [6]
+    assert [conn.recv(timeout=1, waiting_for="x").round for _ in range(2)] == [7, 8]
