@@ -112,13 +112,15 @@ def test_a_budget_stop_ends_every_role_with_status_3(small_federation, monkeypat
     assert seen == dict.fromkeys(["aggregator", "active", "alpha", "beta", "gamma"], EXIT_BUDGET)
 
 
+@pytest.mark.parametrize("method", ["splitnn", "tabvfl-le"])
 def test_a_data_mistake_found_by_a_method_ends_every_role_with_status_2(
-    small_federation, monkeypatch
+    small_federation, monkeypatch, method
 ):
-    """Split-NN on rows some party lacks stops at its fit, naming the methods that serve such
-    rows: the active party, the aggregator and every party end 2 (bad input), not 1 (internal
-    error) and 4 (lost), which would say to restart and resume."""
+    """Split-NN (or TabVFL-LE) on rows some party lacks stops at its fit, naming the methods
+    that serve such rows: the active party, the aggregator and every party end 2 (bad input),
+    not 1 (internal error) and 4 (lost), which would say to restart and resume."""
     raw, d = small_federation
+    raw["run"]["method"] = method
     raw["missing"] = {"train": {"kind": "mcar", "p": 0.2}}
     code, metrics, seen = _run_recording_statuses(make_config(raw, d), d / "run", monkeypatch)
     assert code == 2 and metrics is None

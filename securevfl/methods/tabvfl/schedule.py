@@ -113,11 +113,15 @@ class Schedule(ActiveMethod):
         return self.opts.pretrain_epochs if self.phase == "pretrain" else self.config.epochs
 
     def _prepare(self, ctx: ActiveContext, train_ids: np.ndarray) -> None:
+        from securevfl.errors import DataError
+
         incomplete = count_incomplete(ctx, self.table, train_ids)
-        if incomplete:
-            raise ValueError(
+        if incomplete:  # bad input (every role ends 2), not an internal error
+            raise DataError(
                 f"{self.name} needs every training row at every guest, but {incomplete} rows "
-                "are missing at some guest"
+                "are missing at some guest; give the label holder only the rows every guest "
+                "holds (after `securevfl align`: those with a 1 in every column of "
+                'presence.csv), or use a method that serves missing rows ("laser", "false-vfl")'
             )
         if getattr(self.table, "streamed", False):
             ctx.log(
@@ -135,7 +139,10 @@ class Schedule(ActiveMethod):
         self.train_rows = np.sort(np.asarray(train_ids, dtype=np.int64))
         self.batches = fixed_batches(self.order, self.config.batch_size)
         if not self.batches:
-            raise ValueError(f"{self.name}: fewer than 2 training rows to fit on")
+            raise DataError(
+                f"{self.name}: fewer than 2 training rows to fit on; give it more rows (or a "
+                "smaller [data] test_fraction)"
+            )
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         self._prepare(ctx, train_ids)
