@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     example.add_argument("name", nargs="?", help="e.g. credit-laser, breast-cancer, vfem-simulated")
     example.add_argument("--out", type=Path, default=Path("."), help="directory to write it to")
+    example.add_argument(
+        "--force", action="store_true", help="overwrite a config or table already in --out"
+    )
 
     align = sub.add_parser(
         "align",
@@ -452,10 +455,17 @@ def _example(args: argparse.Namespace) -> int:
             "example NAME", f"unknown example {args.name!r}; known: {sorted(shipped)}"
         )
     source = shipped[args.name]
-    args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / source.name
-    target.write_text(source.read_text())
     data = args.out / tomllib.loads(source.read_text()).get("data", {}).get("path", "data.csv")
+    there = [str(f) for f in (target, data) if f.exists()]
+    if there and not args.force:  # a config the user edited, a table of their own
+        raise ConfigError(
+            "example --out",
+            f"{', '.join(there)} already exist(s); choose another --out, or "
+            "add --force to overwrite",
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    target.write_text(source.read_text())
     made = _write_example_table(args.name, data)
     if made:
         print(f"wrote {target} and its table {data}")

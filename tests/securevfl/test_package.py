@@ -91,5 +91,12 @@ def test_securevfl_example_writes_a_runnable_config(tmp_path):
     assert _party_columns(tmp_path / "breast_cancer.toml").shape == (569, 30)
     done = _example("credit-laser", "--out", str(tmp_path))
     assert done.returncode == 0 and "put the table at" in done.stdout, done.stderr
+    edited = (tmp_path / "breast_cancer.toml").read_text() + "\n# edited\n"
+    (tmp_path / "breast_cancer.toml").write_text(edited)
+    again = _example("breast-cancer", "--out", str(tmp_path))  # nothing of the user's is lost
+    assert again.returncode == 2 and "--force" in again.stderr, again.stderr
+    assert (tmp_path / "breast_cancer.toml").read_text() == edited
+    assert _example("breast-cancer", "--out", str(tmp_path), "--force").returncode == 0
+    assert (tmp_path / "breast_cancer.toml").read_text() != edited
     listing = _example()
     assert "credit-laser" in listing.stdout and "breast-cancer" in listing.stdout
