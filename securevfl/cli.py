@@ -457,7 +457,8 @@ def _example(args: argparse.Namespace) -> int:
     source = shipped[args.name]
     target = args.out / source.name
     data = args.out / tomllib.loads(source.read_text()).get("data", {}).get("path", "data.csv")
-    there = [str(f) for f in (target, data) if f.exists()]
+    ours = (target, data) if args.name in WRITTEN_TABLES else (target,)  # not the user's table
+    there = [str(f) for f in ours if f.exists()]
     if there and not args.force:  # a config the user edited, a table of their own
         raise ConfigError(
             "example --out",
@@ -485,6 +486,9 @@ def _first_sentence(toml_text: str) -> str:
     text = " ".join(lines)
     sentence = text.split(". ")[0].rstrip(".")
     return sentence if len(sentence) <= 120 else sentence.split(": ")[0]
+
+
+WRITTEN_TABLES = ("breast-cancer", "vfem-simulated")  # examples whose table `example` writes
 
 
 def _write_example_table(name: str, path: Path) -> bool:

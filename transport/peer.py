@@ -192,7 +192,7 @@ class Peer(Endpoint):
     def waiting(self) -> bool:
         """Whether something from the hub is waiting to be received (perhaps only a heartbeat,
         which `recv` skips): one socket option read, no system call."""
-        return self._socket is not None and readable(self._socket)
+        return not self._closed and self._socket is not None and readable(self._socket)
 
     def recv(self, *, timeout: float) -> Envelope:
         """Return the next valid application message from the hub.

@@ -89,8 +89,10 @@ def test_securevfl_example_writes_a_runnable_config(tmp_path):
     done = _example("breast-cancer", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert _party_columns(tmp_path / "breast_cancer.toml").shape == (569, 30)
+    (tmp_path / "credit_default.csv").write_text("ID,Y\n")  # the user's own table, in place
     done = _example("credit-laser", "--out", str(tmp_path))
     assert done.returncode == 0 and "put the table at" in done.stdout, done.stderr
+    assert (tmp_path / "credit_default.csv").read_text() == "ID,Y\n"
     edited = (tmp_path / "breast_cancer.toml").read_text() + "\n# edited\n"
     (tmp_path / "breast_cancer.toml").write_text(edited)
     again = _example("breast-cancer", "--out", str(tmp_path))  # nothing of the user's is lost

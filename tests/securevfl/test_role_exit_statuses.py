@@ -339,3 +339,14 @@ def test_messages_that_came_early_are_received_in_order_after_a_send():
     conn.send(Envelope(kind=P.CONTRIB, sender="alpha", round=6))
     assert [e.round for e in peer.sent] == [6]
     assert [conn.recv(timeout=1, waiting_for="x").round for _ in range(2)] == [7, 8]
+
+
+def test_only_heartbeats_waiting_do_not_hold_up_a_send():
+    class HeartbeatsOnly(_QueuedPeer):
+        def waiting(self):
+            return True  # something arrived, but `recv` skips heartbeats
+
+    peer = HeartbeatsOnly([])
+    conn = _connection(peer)
+    conn.send(Envelope(kind=P.CONTRIB, sender="alpha", round=6))
+    assert [e.round for e in peer.sent] == [6]

@@ -134,6 +134,18 @@ def test_a_client_without_curve_is_never_heard_and_the_honest_peers_are(
     assert set(hub.connected()) == {"party1"}
 
 
+def test_waiting_tells_whether_a_message_arrived_and_is_false_once_closed(make_hub, make_peer):
+    hub = make_hub()
+    peer = make_peer("party1", hub)
+    peer.send(Envelope(kind="contribution", sender="party1"))
+    hub.recv(timeout=3)
+    hub.send("party1", Envelope(kind="sum", sender="hub", meta={"n": 1}))
+    assert wait_until(peer.waiting)
+    assert peer.recv(timeout=3).meta == {"n": 1}
+    peer.close()
+    assert peer.waiting() is False  # a closed peer: nothing to read, no socket error
+
+
 def test_send_to_a_role_that_never_connected_is_refused(make_hub):
     hub = make_hub()
     with pytest.raises(TransportError, match="'party2': it has not connected"):
