@@ -131,19 +131,22 @@ class _Cfg:
     role_names = ("active", "alpha", "beta")
 
 
-def _stop(meta: dict, kind: str = P.ABORT) -> RunAborted:
+def _connection(peer):
     from securevfl.roles.connection import RoleConnection
 
-    conn = RoleConnection(
+    return RoleConnection(
         cfg=_Cfg(),  # type: ignore[arg-type]
         name="alpha",
-        peer=None,  # type: ignore[arg-type]
+        peer=peer,  # type: ignore[arg-type]
         secrets=None,  # type: ignore[arg-type]
         public=None,  # type: ignore[arg-type]
         logger=logging.getLogger("test"),
         nonce="",
     )
-    return conn._stopped(Envelope(kind=kind, sender="aggregator", meta=meta))
+
+
+def _stop(meta: dict, kind: str = P.ABORT) -> RunAborted:
+    return _connection(None)._stopped(Envelope(kind=kind, sender="aggregator", meta=meta))
 
 
 def test_an_abort_carries_the_status_of_its_cause():
@@ -302,20 +305,6 @@ class _QueuedPeer:
 
     def send(self, env):
         self.sent.append(env)
-
-
-def _connection(peer):
-    from securevfl.roles.connection import RoleConnection
-
-    return RoleConnection(
-        cfg=_Cfg(),  # type: ignore[arg-type]
-        name="alpha",
-        peer=peer,  # type: ignore[arg-type]
-        secrets=None,  # type: ignore[arg-type]
-        public=None,  # type: ignore[arg-type]
-        logger=logging.getLogger("test"),
-        nonce="",
-    )
 
 
 def test_a_stop_that_came_while_the_party_computed_ends_it_before_it_sends():
