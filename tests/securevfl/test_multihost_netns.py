@@ -1,6 +1,7 @@
 """Several hosts on one machine: every role in its own network namespace, joined by a bridge in
 a "switch" namespace, talking real TCP across namespaces (`securevfl aggregator|active|party`,
-one command per host). Skipped where network namespaces cannot be made (not root, no iproute2)."""
+one command and one --out per host), training and then scoring with --score. Skipped where
+network namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
@@ -83,40 +84,9 @@ def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
     assert securevfl_cli("keys", "--config", str(config), "--out", str(d / "keys")).returncode == 0
     split = securevfl_cli("split", "--config", str(config), "--out", str(d / "split"))
     assert split.returncode == 0, split.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {}
-    for role, (ns, _) in hosts.items():
-        if role == "aggregator":
-            args = ["aggregator"]
-        elif role == "active":
-            args = ["active", "--data", str(d / "split" / "data" / "active.csv")]
-        else:
-            args = ["party", "--name", role, "--data", str(d / "split" / "data" / f"{role}.csv")]
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            sys.executable,
-            "-m",
-            "securevfl",
-            *args,
-            "--config",
-            str(config),
-            "--out",
-            str(d / "hosts" / role),
-        ]
-        procs[role] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    try:
-        results = {r: p.communicate(timeout=240) for r, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-    for role, p in procs.items():
-        assert p.returncode == 0, (role, results[role][1][-2000:])
+    results = _on_each_host(hosts, config, d)
+    for role, (code, _, err) in results.items():
+        assert code == 0, (role, err[-2000:])
     metrics = json.loads((d / "hosts" / "active" / "metrics.json").read_text())
     assert metrics["test"]["accuracy"] > 0.7
     # each role ran on its own "host" (namespace) and sent real traffic over TCP
@@ -125,3 +95,41 @@ def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
     )
     agg_log = (d / "hosts" / "aggregator" / "logs" / "aggregator.log").read_text()
     assert f"tcp://{agg_ip}:5555" in agg_log
+    # scoring on separate hosts: the same role commands with --score, each role's own rows and
+    # its own last checkpoint in its own --out
+    scored = _on_each_host(hosts, config, d, score=True)
+    for role, (code, _, err) in scored.items():
+        assert code == 0, (role, err[-2000:])
+    out = scored["active"][1]
+    assert "scored: accuracy" in out and "predictions to" in out, out
+    predictions = (d / "predictions.csv").read_text().splitlines()
+    assert predictions[0] == "id,output" and len(predictions) == 1 + 400
+
+
+def _on_each_host(hosts, config, d, *, score: bool = False) -> dict:
+    """Every role's command in its own namespace ("host"), its own --out; (status, stdout,
+    stderr) of each. `score`: the roles score their split file's rows with --score."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {}
+    for role, (ns, _) in hosts.items():
+        if role == "aggregator":
+            args = ["aggregator"]
+        elif role == "active":
+            args = ["active", "--data", str(d / "split" / "data" / "active.csv")]
+            if score:
+                args += ["--score", "--predictions", str(d / "predictions.csv")]
+        else:
+            args = ["party", "--name", role, "--data", str(d / "split" / "data" / f"{role}.csv")]
+            args += ["--score"] if score else []
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "securevfl", *args]
+        cmd += ["--config", str(config), "--out", str(d / "hosts" / role)]
+        procs[role] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    try:
+        outputs = {r: p.communicate(timeout=240) for r, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return {r: (procs[r].returncode, *outputs[r]) for r in procs}
