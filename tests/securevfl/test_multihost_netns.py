@@ -106,9 +106,10 @@ def test_roles_on_separate_hosts_train_over_tcp(hosts, small_federation):
     assert predictions[0] == "id,output" and len(predictions) == 1 + 400
 
 
-def _on_each_host(hosts, config, d, *, score: bool = False) -> dict:
+def _on_each_host(hosts, config, d, *, score: bool = False, files=None) -> dict:
     """Every role's command in its own namespace ("host"), its own --out; (status, stdout,
-    stderr) of each. `score`: the roles score their split file's rows with --score."""
+    stderr) of each. `score`: the roles score their split file's rows with --score; `files`:
+    a party's table instead of its split file."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = {}
     for role, (ns, _) in hosts.items():
@@ -119,7 +120,8 @@ def _on_each_host(hosts, config, d, *, score: bool = False) -> dict:
             if score:
                 args += ["--score", "--predictions", str(d / "predictions.csv")]
         else:
-            args = ["party", "--name", role, "--data", str(d / "split" / "data" / f"{role}.csv")]
+            table = (files or {}).get(role, d / "split" / "data" / f"{role}.csv")
+            args = ["party", "--name", role, "--data", str(table)]
             args += ["--score"] if score else []
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "securevfl", *args]
         cmd += ["--config", str(config), "--out", str(d / "hosts" / role)]
@@ -133,3 +135,63 @@ def _on_each_host(hosts, config, d, *, score: bool = False) -> dict:
             if p.poll() is None:
                 p.kill()
     return {r: (procs[r].returncode, *outputs[r]) for r in procs}
+
+
+def test_parties_holding_different_rows_align_then_train_on_separate_hosts(hosts, small_federation):
+    """The README's steps for rows at different parties, one host per role: `securevfl align
+    --role` on each host (the label holder binds, the parties connect, PSI over TCP), then
+    training with the label holder's `[data] presence` and each party's aligned file: PSI finds
+    exactly each party's rows, and LASER-VFL trains on them. (That set-up then tells each party
+    only the ids it shares is tested in process: `test_align.py`.)"""
+    raw, d = small_federation
+    agg_ip, active_ip = hosts["aggregator"][1], hosts["active"][1]
+    raw["network"].update(
+        {
+            "aggregator": f"tcp://{agg_ip}:5555",
+            "bind": f"tcp://{agg_ip}:5555",
+            "keys": "keys",
+            "startup_timeout": 60.0,
+        }
+    )
+    raw["run"]["method"] = "laser"  # serves the rows a party lacks
+    config = write_toml(raw, d / "config.toml")
+    assert securevfl_cli("keys", "--config", str(config), "--out", str(d / "keys")).returncode == 0
+    assert (
+        securevfl_cli("split", "--config", str(config), "--out", str(d / "split")).returncode == 0
+    )
+    own = d / "split" / "data"
+    every = {"alpha": 0, "beta": 4, "gamma": 2}  # beta lacks every 4th row, gamma every 2nd
+    for party, k in every.items():
+        lines = (own / f"{party}.csv").read_text().splitlines()
+        kept = [lines[0]] + [line for i, line in enumerate(lines[1:]) if not k or i % k]
+        (own / f"{party}.csv").write_text("\n".join(kept) + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    align = {}
+    for role, (ns, _) in hosts.items():
+        if role == "aggregator":
+            continue
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "securevfl", "align"]
+        cmd += ["--config", str(config), "--role", role, "--data", str(own / f"{role}.csv")]
+        cmd += ["--out", str(d / "aligned" / role), "--bind", f"tcp://{active_ip}:5560"]
+        align[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for role, proc in align.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, (role, err[-2000:])
+    presence = d / "aligned" / "active" / "aligned" / "presence.csv"
+    shared = {
+        p: len((d / "aligned" / p / "aligned" / f"{p}.csv").read_text().splitlines()) - 1
+        for p in every
+    }
+    assert shared == {"alpha": 400, "beta": 300, "gamma": 200}, shared
+    raw["data"]["presence"] = str(presence)
+    config = write_toml(raw, d / "config.toml")
+    files = {p: d / "aligned" / p / "aligned" / f"{p}.csv" for p in every}
+    trained = _on_each_host(hosts, config, d, files=files)
+    for role, (code, _, err) in trained.items():
+        assert code == 0, (role, err[-2000:])
+    metrics = json.loads((d / "hosts" / "active" / "metrics.json").read_text())
+    assert len(metrics["history"]) == raw["train"]["epochs"]
+    assert metrics["test"]["n_eval"] > 0
+    for party, n in shared.items():  # each trained on its aligned file
+        log = (d / "hosts" / party / "logs" / f"{party}.log").read_text()
+        assert f"{n} rows" in log, (party, n)
