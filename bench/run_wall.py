@@ -29,30 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fedbench import role_environment  # noqa: E402
-
-from securevfl.data.table import write_csv  # noqa: E402
+from report import machine  # noqa: E402
 
 
 def federation(directory: Path, *, epochs: int) -> Path:
-    """The tests' 3-party synthetic federation (conftest.BASE_RAW) as a config file."""
-    import numpy as np
-
+    """The tests' 3-party synthetic federation (`conftest.BASE_RAW`, its table) as a config."""
     from securevfl.config import dump_toml
-    from tests.securevfl.conftest import BASE_RAW, permissive_policy
+    from tests.securevfl.conftest import BASE_RAW, permissive_policy, synthetic_csv
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(400, 6))
-    y = (x @ rng.normal(size=6) > 0).astype(float)
-    names = [f"X{i + 1}" for i in range(6)]
-    write_csv(
-        directory / "data.csv",
-        id_column="ID",
-        ids=np.arange(1, 401),
-        columns=names,
-        values=x,
-        label="Y",
-        labels=y,
-    )
+    synthetic_csv(directory / "data.csv", n=400)
     raw = copy.deepcopy(BASE_RAW)
     raw["train"].update({"epochs": epochs, "batch_size": 16})
     path = directory / "config.toml"
@@ -102,7 +87,7 @@ def main() -> None:
     same = len({json.dumps(t, sort_keys=True) for t in tests.values()}) == 1
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "machine": {**machine(), "python": platform.python_version()},
         "epochs": args.epochs,
         "arms": arms,
         "wall_s": runs,

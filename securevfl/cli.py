@@ -457,7 +457,8 @@ def _example(args: argparse.Namespace) -> int:
     source = shipped[args.name]
     target = args.out / source.name
     data = args.out / tomllib.loads(source.read_text()).get("data", {}).get("path", "data.csv")
-    ours = (target, data) if args.name in WRITTEN_TABLES else (target,)  # not the user's table
+    write_table = _example_table_writer(args.name)
+    ours = (target, data) if write_table else (target,)  # never the user's own table
     there = [str(f) for f in ours if f.exists()]
     if there and not args.force:  # a config the user edited, a table of their own
         raise ConfigError(
@@ -467,8 +468,8 @@ def _example(args: argparse.Namespace) -> int:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     target.write_text(source.read_text())
-    made = _write_example_table(args.name, data)
-    if made:
+    if write_table is not None:
+        write_table(data)
         print(f"wrote {target} and its table {data}")
     else:
         print(f"wrote {target}; put the table at {data.resolve()} (or edit [data] path),")
@@ -488,24 +489,19 @@ def _first_sentence(toml_text: str) -> str:
     return sentence if len(sentence) <= 120 else sentence.split(": ")[0]
 
 
-WRITTEN_TABLES = ("breast-cancer", "vfem-simulated")  # examples whose table `example` writes
-
-
-def _write_example_table(name: str, path: Path) -> bool:
-    """Write the table of an example whose data ships with the package or is simulated
-    (breast-cancer: scikit-learn's copy; vfem-simulated: the notes' design); False for one
-    whose table the user brings (credit-laser)."""
+def _example_table_writer(name: str) -> Any:
+    """`write(path)` for an example whose table ships with the package or is simulated
+    (breast-cancer: scikit-learn's copy; vfem-simulated: the notes' design); None for one whose
+    table the user brings (credit-laser)."""
     if name == "breast-cancer":
         from securevfl.demo import write_breast_cancer_csv
 
-        write_breast_cancer_csv(path)
-        return True
+        return write_breast_cancer_csv
     if name == "vfem-simulated":
         from securevfl.data.synthetic_tables import write_vfem_simulated_csv
 
-        write_vfem_simulated_csv(path)
-        return True
-    return False
+        return write_vfem_simulated_csv
+    return None
 
 
 def _align(args: argparse.Namespace) -> int:

@@ -256,79 +256,64 @@ def check_resume(
     refused-but-forced changes.
     """
     run_dir = Path(run_dir)
-    with records_locked(run_dir):
-        return _check_resume(
+    with records_locked(run_dir):  # one read-change-write at a time
+        record = read_record(run_dir)
+        if record is None:
+            _warn(
+                logger, f"{run_dir} holds no {EFFECTIVE_CONFIG}: the resumed config is not checked"
+            )
+            write_record(
+                run_dir,
+                cfg,
+                data=data,
+                written_by=who,
+                config_path=config_path,
+                overrides=overrides,
+            )
+            return {}
+        refused, allowed = differences(
+            record["config"],
+            effective_config(cfg),
+            recorded_data=record.get("data", {}),
+            data=data,
+        )
+        if refused and not force:
+            shown = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+            raise ConfigError(
+                "--resume",
+                f"the config differs from the one {run_dir} was started with: {shown}. A "
+                f"resumed run must keep its model, protocol, privacy and data settings: resume "
+                f"with the run's config ({run_dir / EFFECTIVE_CONFIG} lists it), or add --force "
+                "to continue with "
+                "the new values (the change is recorded in run.json and the ledger)",
+            )
+        if not (refused or allowed or always_note):
+            return {}
+        entry = {
+            "time": time.time(),
+            "by": who,
+            "forced": bool(refused),
+            "changed": {k: [a, b] for k, (a, b) in {**refused, **allowed}.items()},
+            "previous_hash": record.get("hash"),
+        }
+        merged = {**record.get("data", {}), **data}
+        write_record(
             run_dir,
             cfg,
-            data=data,
-            force=force,
-            who=who,
-            logger=logger,
-            config_path=config_path,
-            overrides=overrides,
-            always_note=always_note,
+            data=merged,
+            written_by=who,
+            config_path=config_path if config_path is not None else record.get("config_file"),
+            overrides=overrides if overrides is not None else record.get("overrides"),
+            resumes=[*record.get("resumes", []), entry],
         )
-
-
-def _check_resume(
-    run_dir: Path,
-    cfg: RunConfig,
-    *,
-    data: Mapping[str, str],
-    force: bool,
-    who: str,
-    logger: logging.Logger | None,
-    config_path: Path | None,
-    overrides: Mapping[str, Any] | None,
-    always_note: bool,
-) -> dict[str, tuple[Any, Any]]:
-    record = read_record(run_dir)
-    if record is None:
-        _warn(logger, f"{run_dir} holds no {EFFECTIVE_CONFIG}: the resumed config is not checked")
-        write_record(
-            run_dir, cfg, data=data, written_by=who, config_path=config_path, overrides=overrides
-        )
-        return {}
-    refused, allowed = differences(
-        record["config"],
-        effective_config(cfg),
-        recorded_data=record.get("data", {}),
-        data=data,
-    )
-    if refused and not force:
-        shown = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
-        raise ConfigError(
-            "--resume",
-            f"the config differs from the one {run_dir} was started with: {shown}. A resumed run "
-            f"must keep its model, protocol, privacy and data settings: resume with the run's "
-            f"config ({run_dir / EFFECTIVE_CONFIG} lists it), or add --force to continue with "
-            "the new values (the change is recorded in run.json and the ledger)",
-        )
-    if not (refused or allowed or always_note):
-        return {}
-    entry = {
-        "time": time.time(),
-        "by": who,
-        "forced": bool(refused),
-        "changed": {k: [a, b] for k, (a, b) in {**refused, **allowed}.items()},
-        "previous_hash": record.get("hash"),
-    }
-    merged = {**record.get("data", {}), **data}
-    write_record(
-        run_dir,
-        cfg,
-        data=merged,
-        written_by=who,
-        config_path=config_path if config_path is not None else record.get("config_file"),
-        overrides=overrides if overrides is not None else record.get("overrides"),
-        resumes=[*record.get("resumes", []), entry],
-    )
-    _note_in_run_record(run_dir, entry, config_path=config_path, overrides=overrides)
-    if refused:
-        shown = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
-        _warn(logger, f"--force: resuming with a changed config: {shown}")
-        _note_in_ledger(run_dir, who=who, detail=f"resumed with --force; config changed: {shown}")
-    return refused
+        _note_in_run_record(run_dir, entry, config_path=config_path, overrides=overrides)
+        if refused:
+            shown = "; ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+            _warn(logger, f"--force: resuming with a changed config: {shown}")
+            _note_in_ledger(
+                run_dir, who=who, detail=f"resumed with --force; config changed: {shown}"
+            )
+        return refused
 
 
 @contextlib.contextmanager
@@ -439,41 +424,29 @@ def role_run_record(
         )
         return
     with records_locked(run_dir):
-        _record_fresh_start(cfg, run_dir, role, data, logger, config_path, overrides)
-
-
-def _record_fresh_start(
-    cfg: RunConfig,
-    run_dir: Path,
-    role: str,
-    data: dict[str, str],
-    logger: logging.Logger,
-    config_path: Path | None,
-    overrides: Mapping[str, Any] | None,
-) -> None:
-    record = read_record(run_dir)
-    if record is not None:
-        same = record["hash"] == config_hash(effective_config(cfg), record.get("data", {}))
-        if same and set(data) <= set(record.get("data", {})):
-            return
-        if not same and record.get("written_by") == "launcher":
-            # `securevfl run` / `predict` owns this directory's record: a role never rewrites it
-            logger.warning(
-                "this role's config differs from the run's record in %s (%s); not rewriting it",
-                run_dir / EFFECTIVE_CONFIG,
-                ", ".join(
-                    differences(record["config"], effective_config(cfg), recorded_data={}, data={})[
-                        0
-                    ]
+        record = read_record(run_dir)
+        if record is not None:
+            same = record["hash"] == config_hash(effective_config(cfg), record.get("data", {}))
+            if same and set(data) <= set(record.get("data", {})):
+                return
+            if not same and record.get("written_by") == "launcher":
+                # `securevfl run` / `predict` owns this directory's record: a role never rewrites it
+                logger.warning(
+                    "this role's config differs from the run's record in %s (%s); not rewriting it",
+                    run_dir / EFFECTIVE_CONFIG,
+                    ", ".join(
+                        differences(
+                            record["config"], effective_config(cfg), recorded_data={}, data={}
+                        )[0]
+                    )
+                    or "data",
                 )
-                or "data",
-            )
-            return
-        if same:  # a record without this role's own file: add it
-            data = {**record.get("data", {}), **data}
-    write_record(
-        run_dir, cfg, data=data, written_by=role, config_path=config_path, overrides=overrides
-    )
+                return
+            if same:  # a record without this role's own file: add it
+                data = {**record.get("data", {}), **data}
+        write_record(
+            run_dir, cfg, data=data, written_by=role, config_path=config_path, overrides=overrides
+        )
 
 
 def launcher_digests(cfg: RunConfig, run_dir: Path, roles: Iterable[str]) -> dict[str, str]:
