@@ -173,12 +173,11 @@ class Attacker:
         sign=True,
         round=None,
         kept=None,
-        answered=True,
     ):
         """Sign a call as the active party would (unless `sign` is False), let `tamper` change
         the envelope as a modified aggregator would, send it, and return each party's reply
         (`kept`: a list the sent envelope is appended to, as an aggregator keeps one to replay
-        later; `answered=False`: send only, for a call the parties stop on)."""
+        later)."""
         self.round = self.round + 1 if round is None else round
         call = Call(
             op=op,
@@ -200,10 +199,6 @@ class Attacker:
             tamper(env)
         if kept is not None:
             kept.append(env)
-        if not answered:
-            for p in to:
-                self.hub.send(p, env)
-            return {}
         return self.send(env, to)
 
     def send(self, env, to):
@@ -223,9 +218,9 @@ class Attacker:
                 replies[reply.sender] = reply
         return replies
 
-    def setup(self, *, args=None, inputs=None, tamper=None, answered=True):
+    def setup(self, *, args=None, inputs=None, tamper=None):
         """The active party's set-up call (`args`, `inputs`: added to or replacing its own;
-        `tamper`, `answered`: as in `call`)."""
+        `tamper`: as in `call`)."""
         return self.call(
             "setup",
             ids=np.empty(0, dtype=np.int64),
@@ -233,7 +228,6 @@ class Attacker:
             inputs={"train_ids": self.ids, "all_ids": self.ids, **(inputs or {})},
             collect=("present",),
             tamper=tamper,
-            answered=answered,
         )
 
     def ckks_setup(self, context: bytes):
