@@ -319,13 +319,14 @@ def test_ckks_over_processes_agrees_with_plain(tmp_path):
     assert plain["accuracy"] > 0.8, plain
     # CKKS encrypts with fresh randomness, so every run's sums carry a different ~1e-6 error:
     # stage 1 follows the plain losses closely, stage 2 (whose discriminator game amplifies
-    # small differences) drifts by about a percent (once 5.3 % in an epoch, 2026-11-24: the
-    # bound is 10 %), and a few of the 200 test rows may flip (CI saw 0.865 against plain
-    # 0.875; repeated runs 0.87, 0.87, 0.88)
+    # small differences) drifts by a few per cent, and a few of the 200 test rows may flip (CI
+    # saw 0.865 against plain 0.875; repeated runs 0.87, 0.87, 0.88). The drift grows epoch by
+    # epoch: over 5 runs on 2026-11-25 the largest relative loss difference was 0.50 % in stage
+    # 1 (its last epoch; 0.62 % in another run) and 5.2 % in stage 2: bounds 2 % and 10 %
     stages = [h["stage"] for h in fed.history]
     assert [h["stage"] for h in ckks["history"]] == stages
     for a, b in zip(fed.history, ckks["history"], strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=5e-3 if a["stage"] == 1 else 0.1), (a, b)
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.02 if a["stage"] == 1 else 0.1), (a, b)
     assert ckks["test"]["accuracy"] == pytest.approx(plain["accuracy"], abs=0.03)
     assert ckks["test"]["roc_auc"] == pytest.approx(plain["roc_auc"], abs=0.02)
 
