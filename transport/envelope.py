@@ -35,6 +35,9 @@ HEADER_FIELDS = frozenset(
     {"version", "kind", "sender", "session", "round", "seq", "meta", "tensors"}
 )
 DESCRIPTOR_FIELDS = frozenset({"name", "dtype", "shape"})
+# looked up on every tensor of every message (a dtype's .name is computed in Python each time)
+_DTYPE_NAMES = {np.dtype(name): name for name in ALLOWED_DTYPES}
+_WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in ALLOWED_DTYPES}
 MAX_NAME_CHARS = 255
 MAX_META_DEPTH = 32
 _MAX_UINT64 = 2**64 - 1
@@ -177,7 +180,7 @@ def pack(env: Envelope, *, limits: Limits | None = None) -> list[bytes | memoryv
                 f"tensor {name!r} is a {type(array).__name__}, not a numpy.ndarray; "
                 "convert it with numpy.asarray first"
             )
-        dtype_name = array.dtype.name
+        dtype_name = _DTYPE_NAMES.get(array.dtype) or array.dtype.name
         if dtype_name not in ALLOWED_DTYPES:
             raise EnvelopeError(
                 f"tensor {name!r} has dtype {array.dtype}, which is not allowed on the wire; "
@@ -219,7 +222,7 @@ def pack(env: Envelope, *, limits: Limits | None = None) -> list[bytes | memoryv
                 "send it in smaller batches"
             )
         for descriptor in descriptors:  # what the receiver's _check_descriptor will refuse
-            itemsize = np.dtype(descriptor["dtype"]).itemsize
+            itemsize = _wire_dtype(descriptor["dtype"]).itemsize
             _check_shape(descriptor["name"], descriptor["shape"], itemsize, limits)
     return [header, *buffers]
 
@@ -342,7 +345,9 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 
 
 def _wire_dtype(name: str) -> np.dtype:
-    return np.dtype(name).newbyteorder("<")
+    """The little-endian dtype of an allowed dtype name (looked up: built once per name)."""
+    wire = _WIRE_DTYPES.get(name)
+    return wire if wire is not None else np.dtype(name).newbyteorder("<")
 
 
 def _byte_view(frame: Any) -> memoryview:
@@ -488,7 +493,7 @@ def _check_descriptor(descriptor: Any, index: int, limits: Limits) -> tuple[str,
         )
     if not isinstance(shape, list):
         raise EnvelopeError(f"tensor {quote(name)} shape must be a list of ints")
-    _check_shape(name, shape, np.dtype(dtype_name).itemsize, limits)
+    _check_shape(name, shape, _wire_dtype(dtype_name).itemsize, limits)
     return name, dtype_name, shape
 
 

@@ -498,7 +498,7 @@ class Hub(Endpoint):
         frames = received.frames
         rid = frames[0].bytes
         body = frames[1:]
-        who = describe_routing_id(rid)
+        who = None  # named for the log only when refused (the routing id parsed once)
         try:
             if not body:
                 raise EnvelopeError("the message has no frames after the routing id")
@@ -515,7 +515,9 @@ class Hub(Endpoint):
                 self._check_pending(name, nbytes)
         except EnvelopeError as exc:
             self.rejected += 1
-            self.logger.warning("rejected a message from %s: %s", who, exc.reason)
+            self.logger.warning(
+                "rejected a message from %s: %s", who or describe_routing_id(rid), exc.reason
+            )
             return
         self._last_seq.pop(rid, None)  # re-insert: most recently used last
         self._last_seq[rid] = env.seq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import time
@@ -93,8 +94,15 @@ def parse_routing_id(rid: bytes) -> RoutingId | None:
     """Read ``name``, ``name/hb``, ``name/<token>`` or ``name/hb/<token>``; None otherwise.
 
     The name is only a claim: the hub accepts it when it equals the connection's
-    CURVE-authenticated User-Id.
+    CURVE-authenticated User-Id. A hub sees the same few routing ids on every message: the
+    answers for the last `_ROUTING_CACHE` of them are kept (an immutable answer per id).
     """
+    if not isinstance(rid, bytes):
+        return _parse_routing_id(rid)
+    return _parse_routing_id_cached(rid)
+
+
+def _parse_routing_id(rid: bytes) -> RoutingId | None:
     try:
         text = rid.decode("ascii")
     except UnicodeDecodeError:
@@ -107,6 +115,10 @@ def parse_routing_id(rid: bytes) -> RoutingId | None:
     if middle not in ([], [HEARTBEAT_ROUTING_SUFFIX[1:]]):
         return None
     return RoutingId(name=parts[0], heartbeat=bool(middle), tokened=tokened)
+
+
+_ROUTING_CACHE = 256
+_parse_routing_id_cached = functools.lru_cache(maxsize=_ROUTING_CACHE)(_parse_routing_id)
 
 
 def describe_routing_id(rid: bytes) -> str:
