@@ -778,6 +778,7 @@ def split_federation(
             f"{cfg.data_path}:{line}: the label {cfg.label!r} is empty (drop the row, or set "
             "[missing] labeled if some training rows are unlabeled on purpose)",
         )
+    _check_labels(cfg, labels)
     blocks = first["blocks"]
     present = first["held"]
     is_test = holdout_mask(
@@ -829,6 +830,17 @@ def split_federation(
     except DataError as exc:
         raise ConfigError("[data] path", str(exc)) from None
     return out
+
+
+def _check_labels(cfg: RunConfig, labels: np.ndarray) -> None:
+    """Refuse, before any role starts, labels the task cannot train on (the active party would
+    refuse them at its start, alone, while the other roles wait for it)."""
+    from securevfl.methods.blocks.nets import class_count
+
+    try:
+        class_count(cfg.task, labels)
+    except DataError as exc:
+        raise ConfigError("[data] label", str(exc)) from None
 
 
 def _check_pass(

@@ -91,6 +91,17 @@ def _table_with(s: Setup, edit: Callable[[list[str]], None]) -> str:
     return "data.path=edited.csv"
 
 
+def _relabel(recode: Callable[[str], str]) -> Callable[[list[str]], None]:
+    """An edit of the joint table's rows: every label (the last cell) recoded."""
+
+    def edit(lines: list[str]) -> None:
+        for i in range(1, len(lines)):
+            cells = lines[i].split(",")
+            lines[i] = ",".join([*cells[:-1], recode(cells[-1])])
+
+    return edit
+
+
 def _busy_port(s: Setup) -> list[str]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -222,6 +233,21 @@ MISTAKES: list[tuple[str, Callable[[Setup], list[str]], str]] = [
         "a party named aggregator",
         lambda s: s.run(config=_config_with(s, "[parties.gamma]", "[parties.aggregator]")),
         "reserved for the aggregator",
+    ),
+    (
+        "binary labels other than 0/1",
+        lambda s: s.run("--set", _table_with(s, _relabel(lambda y: str(int(float(y)) + 1)))),
+        "task 'binary' needs labels 0 and 1, but the label column holds [1.0, 2.0]",
+    ),
+    (
+        "class labels that are not integers",
+        lambda s: s.run(
+            "--set",
+            _table_with(s, _relabel(lambda y: str(float(y) + 0.5))),
+            "--set",
+            'data.task="multiclass"',
+        ),
+        "needs integer class labels 0..C-1",
     ),
     ("--out is a file", _out_is_a_file, "is a file, not a directory"),
     ("--resume of nothing", _resume_nothing, "holds no run to resume"),
@@ -513,3 +539,37 @@ def test_a_failed_command_keeps_its_status_when_its_output_pipe_is_closed():
     finally:
         os.close(write)
     assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
+def test_the_active_party_started_alone_refuses_labels_its_task_cannot_train_on(tmp_path, capsys):
+    """On its own host (`securevfl active`, no split before it) the active party checks its
+    labels before it connects: status 2 and the fix, not an internal error (1) while the
+    other roles wait for it."""
+    s = make_setup(tmp_path)
+    _table_with(s, _relabel(lambda y: str(int(float(y)) + 1)))
+    argv = s.role("active", "--data", str(s.root / "edited.csv"))
+    argv += ["--address", "tcp://127.0.0.1:9"]  # nothing listens: it must not get that far
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs labels 0 and 1" in err and "recode them as 0/1" in err, err
+    assert "Traceback" not in err
+
+
+def test_class_count_refuses_labels_the_task_cannot_train_on():
+    import numpy as np
+
+    from securevfl.errors import DataError, exit_code_for
+    from securevfl.methods.blocks.nets import class_count
+
+    assert class_count("binary", np.array([0.0, 1.0, np.nan])) == 2
+    assert class_count("multiclass", np.array([0.0, 2.0, 1.0])) == 3
+    assert class_count("regression", np.array([0.3, 7.5])) == 1
+    for task, labels, words in [
+        ("binary", [1.0, 2.0], "needs labels 0 and 1"),
+        ("multiclass", [0.0, 1.5], "integer class labels"),
+        ("multiclass", [-1.0, 1.0], "integer class labels"),
+        ("binary", [np.nan, np.nan], "holds no label"),
+    ]:
+        with pytest.raises(DataError, match=words) as caught:
+            class_count(task, np.array(labels))
+        assert exit_code_for(caught.value) == 2

@@ -126,15 +126,25 @@ def class_count(task: str, labels: np.ndarray) -> int:
     """Number of classes; refuses labels that are not 0..C-1 integers for classification."""
     if task == "regression":
         return 1
+    from securevfl.errors import DataError
+
     values = np.unique(labels[~np.isnan(labels)])  # unlabeled rows (a labeled budget) left out
+    if not len(values):
+        raise DataError(
+            "the label column holds no label in these rows; check [data] label, or label the rows"
+        )
     if not np.all(values == np.round(values)) or values.min() < 0:
-        raise ValueError(
-            f"classification labels must be integers 0..C-1, got values {values[:10].tolist()}"
+        raise DataError(
+            f"[data] task {task!r} needs integer class labels 0..C-1, but the label column holds "
+            f"{values[:10].tolist()}; recode the labels as 0..C-1, or set [data] task = "
+            "'regression' for a numeric target"
         )
     n = int(values.max()) + 1
     if task == "binary" and n > 2:
-        raise ValueError(
-            f"task 'binary' needs labels 0/1, got {values[:10].tolist()}; use 'multiclass'"
+        raise DataError(
+            f"[data] task 'binary' needs labels 0 and 1, but the label column holds "
+            f"{values[:10].tolist()}; recode them as 0/1 (e.g. the smaller value as 0), or set "
+            "[data] task = 'multiclass' for more than two classes"
         )
     return max(n, 2)
 
