@@ -411,3 +411,23 @@ def test_a_benchmark_arm_names_its_tree_config_overrides_and_role_environment() 
     assert env["SECUREVFL_OVERLAP_SUMS"] == "1" and env["OMP_NUM_THREADS"] == "1"
     with pytest.raises(SystemExit, match="ENV_VAR=value"):
         FC.parse_arm("bad=.:aggregation")
+
+
+def test_the_bare_federation_trains_the_centralised_model_over_real_processes(
+    tmp_path: Path,
+) -> None:
+    """`bench/bare_federation.py`, the cost floor of the process layout, is only a yardstick if
+    it trains the very model of the centralised reference (same test metrics) in separate role
+    processes, and reports each role's CPU per batch."""
+    import bare_federation as B
+
+    ds, cfg_path, raw = _tiny(tmp_path)
+    prep = F.prepare(ds, tmp_path / "work")
+    bare = B.run_bare(prep, raw, tmp_path / "bare", timeout=120)
+    assert bare["ok"], bare.get("error")
+    assert len(bare["epoch_seconds"]) == 2 and bare["batches"] == 2 * 3  # 192 train rows / 64
+    assert set(bare["cpu_us_per_batch"]) == {"aggregator", "active", "p1", "p2"}
+    assert all(v > 0 for v in bare["cpu_us_per_batch"].values())
+    central = F.centralised(F.write_toml(raw, tmp_path / "central.toml"), prep.files)
+    for key in ("accuracy", "roc_auc", "f1"):
+        assert bare["test"][key] == pytest.approx(central["test"][key], abs=1e-5)

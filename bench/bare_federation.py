@@ -1,0 +1,368 @@
+"""The same split-NN federation with nothing of securevfl's runtime: the cost floor of the layout.
+
+Issue 17 asks for a federated plain epoch within 3x of the centralised epoch of the same model.
+This bench measures what the process layout alone costs, so that the remainder can be blamed on
+the framework: the roles `securevfl run` starts (an aggregator, the active party, one process
+per party, one thread each), over real TCP on loopback with CURVE, the same rows, batches,
+seeds, models and Adam as `fedbench.centralised`, the same fused round per batch as securevfl
+(the active party's call carries the batch's ids and the previous batch's gradient; a party
+applies the gradient, then computes the next forward; the aggregator relays the call and sums
+the forwards) — and nothing else: no envelope, validation, authentication, policy, ledger,
+heartbeats or checkpoints. Each role reports its CPU seconds per batch (its process's
+`time.process_time` over the training batches, every thread of it included).
+
+    python bench/bare_federation.py [--rows 10000] [--parties 2,4] [--epochs 10] [--repeats 3]
+        [--securevfl] [--out FILE.json]
+
+`--securevfl` also runs securevfl's plain federation (`fedbench.run_federation`) in every
+repeat; the centralised reference (`fedbench.run_centralised`) always runs. Arms are interleaved
+per repeat. Not a product path: a yardstick for `bench/fed_central.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import fedbench as F  # noqa: E402
+
+AGGREGATOR = "aggregator"
+ACTIVE = "active"
+
+
+# --- the roles (each in its own process)
+
+
+def _socket(role: str, spec: dict[str, Any]) -> Any:
+    import zmq
+
+    ctx = zmq.Context()
+    if role == AGGREGATOR:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = spec["server"]
+        sock.bind(spec["endpoint"])
+        return sock
+    sock = ctx.socket(zmq.DEALER)
+    sock.routing_id = role.encode()
+    sock.curve_serverkey = spec["server"][0]
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(spec["endpoint"])
+    sock.send(b"hello")
+    if sock.recv() != b"go":  # every role has connected: nothing sent from now on is dropped
+        raise RuntimeError(f"{role}: the aggregator did not start the run")
+    return sock
+
+
+def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
+    sock = _socket(AGGREGATOR, spec)
+    parties = [p.encode() for p in spec["parties"]]
+    waiting = {*parties, ACTIVE.encode()}
+    while waiting:
+        waiting.discard(sock.recv_multipart()[0])
+    for role in [*parties, ACTIVE.encode()]:
+        sock.send_multipart([role, b"go"])
+    cpu = time.process_time()
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        kind = frames[1].bytes
+        for p in parties:  # the call, relayed as it came
+            sock.send_multipart([p, *frames[1:]], copy=False)
+        if kind == b"stop":
+            return {"cpu_seconds": time.process_time() - cpu}
+        if kind == b"setup":
+            continue
+        got: dict[bytes, np.ndarray] = {}
+        while len(got) < len(parties):
+            sender, out = sock.recv_multipart()
+            got[sender] = np.frombuffer(out, dtype=np.float32)
+        total = got[parties[0]].copy()
+        for p in parties[1:]:  # in party order, as the centralised sum
+            total += got[p]
+        sock.send_multipart([ACTIVE.encode(), total])
+
+
+def _party(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from securevfl.config import load_config
+    from securevfl.data.table import load_party_table
+    from securevfl.methods.blocks.nets import Standardizer, derived_seed, make_optimizer, mlp
+
+    torch.set_num_threads(1)
+    cfg = load_config(spec["config"])
+    table = load_party_table(Path(spec["files"][name]), cfg, name)
+    encoder = mlp(
+        len(table.columns), cfg.hidden, cfg.width, seed=derived_seed(cfg.seed, "encoder", name)
+    )
+    opt = make_optimizer(encoder.parameters(), cfg)
+    sock = _socket(name, spec)
+    scaler = None
+    pending = None
+    cpu = None
+    while True:
+        frames = sock.recv_multipart()
+        kind = frames[0]
+        if kind == b"stop":
+            return {"cpu_seconds": time.process_time() - cpu}
+        ids = np.frombuffer(frames[1], dtype=np.int64)
+        if kind == b"setup":
+            scaler = Standardizer().fit(table.rows(ids))
+            cpu = time.process_time()
+            continue
+        if frames[2] and pending is not None:  # the previous batch's gradient first
+            grad = torch.from_numpy(
+                np.frombuffer(frames[2], dtype=np.float32).reshape(pending.shape).copy()
+            )
+            opt.zero_grad()
+            pending.backward(grad)
+            opt.step()
+            pending = None
+        x = torch.from_numpy(scaler.transform(table.rows(ids)))
+        if kind == b"eval":
+            with torch.no_grad():
+                out = encoder(x)
+        else:
+            out = encoder(x)
+            pending = out
+        sock.send_multipart([out.detach().numpy()])
+
+
+def _active(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from securevfl.config import load_config
+    from securevfl.data.table import load_active_table, stratified, train_test_split
+    from securevfl.methods.blocks.nets import (
+        batches,
+        class_count,
+        derived_seed,
+        make_optimizer,
+        mlp,
+        output_dim,
+        task_loss,
+    )
+    from securevfl.metrics import task_metrics
+
+    torch.set_num_threads(1)
+    cfg = load_config(spec["config"])
+    active = load_active_table(Path(spec["files"][cfg.active_name]), cfg)
+    train_ids, test_ids = train_test_split(
+        active.ids,
+        test_fraction=cfg.test_fraction,
+        seed=cfg.seed,
+        labels=active.labels,
+        stratify=stratified(cfg),
+    )
+    n_classes = class_count(cfg.task, active.labels)
+    head = mlp(
+        cfg.width,
+        cfg.head_hidden,
+        output_dim(cfg.task, n_classes),
+        seed=derived_seed(cfg.seed, "head"),
+    )
+    opt = make_optimizer(head.parameters(), cfg)
+    sock = _socket(ACTIVE, spec)
+    empty = np.zeros(0, dtype=np.float32)
+    sock.send_multipart([b"setup", np.asarray(train_ids, dtype=np.int64)])
+    cpu = time.process_time()
+    grad = empty
+    epoch_seconds, n_batches = [], 0
+    for epoch in range(cfg.epochs):
+        started = time.perf_counter()
+        for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
+            sock.send_multipart([b"train", np.asarray(ids, dtype=np.int64), grad])
+            s = np.frombuffer(sock.recv(), dtype=np.float32).reshape(len(ids), cfg.width)
+            z = torch.from_numpy(s.copy()).requires_grad_()
+            loss = task_loss(cfg.task, head(z), torch.as_tensor(active.label_rows(ids)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            grad = z.grad.numpy()
+            n_batches += 1
+        epoch_seconds.append(time.perf_counter() - started)
+    cpu = time.process_time() - cpu
+    sock.send_multipart([b"eval", np.asarray(test_ids, dtype=np.int64), grad])  # last step too
+    s = np.frombuffer(sock.recv(), dtype=np.float32).reshape(len(test_ids), cfg.width)
+    with torch.no_grad():
+        output = head(torch.from_numpy(s.copy())).numpy()
+    test = task_metrics(cfg.task, y_true=active.label_rows(test_ids), output=output)
+    sock.send_multipart([b"stop", empty, empty])
+    return {
+        "cpu_seconds": cpu,
+        "batches": n_batches,
+        "epoch_seconds": [round(x, 4) for x in epoch_seconds],
+        "test": test,
+    }
+
+
+def _role_main(role: str, spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    spec["server"] = [k.encode() for k in spec["server"]]
+    if role == AGGREGATOR:
+        result = _aggregator(spec)
+    elif role == ACTIVE:
+        result = _active(spec)
+    else:
+        result = _party(role, spec)
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # nothing to tear down: the sockets' peers are done too
+
+
+# --- one bare federation
+
+
+def run_bare(
+    prep: F.Prepared, raw: dict[str, Any], out: Path, *, timeout: float = 1800
+) -> dict[str, Any]:
+    """One bare federation on `prep`'s files with `raw`'s model and training settings: epoch
+    seconds (the active party's clock), test metrics and each role's CPU seconds per batch."""
+    import zmq
+
+    from securevfl.config import load_config
+    from securevfl.launcher import free_port
+
+    out = Path(out)
+    cfg_path = F.write_toml(raw, out / "config.toml")
+    cfg = load_config(cfg_path)
+    server = zmq.curve_keypair()
+    spec = {
+        "config": str(cfg_path),
+        "files": {r: str(p) for r, p in prep.files.items()},
+        "parties": list(cfg.party_names),
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "server": [k.decode() for k in server],
+    }
+    spec_path = out / "bare.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    roles = [AGGREGATOR, ACTIVE, *cfg.party_names]
+    load_before = F.loadavg()
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "role", r, str(spec_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in roles
+    }
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for r, p in procs.items():
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode != 0 or not stdout.strip():
+                return {"ok": False, "error": f"{r} exited {p.returncode}: {stderr[-2000:]}"}
+            results[r] = json.loads(stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"the bare federation ran past {timeout:g} s"}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    n = results[ACTIVE]["batches"]
+    return {
+        "ok": True,
+        "epoch_seconds": results[ACTIVE]["epoch_seconds"],
+        "median_epoch_seconds": statistics.median(results[ACTIVE]["epoch_seconds"]),
+        "test": results[ACTIVE]["test"],
+        "batches": n,
+        "cpu_us_per_batch": {r: round(1e6 * results[r]["cpu_seconds"] / n, 1) for r in roles},
+        "load_before": load_before,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["role"] and len(argv) == 3:
+        return _role_main(argv[1], argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=10_000)
+    ap.add_argument("--parties", default="2,4")
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--securevfl", action="store_true", help="also securevfl's plain federation")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-bare"))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    ks = [int(k) for k in args.parties.split(",")]
+    started = time.time()
+    preps = {
+        k: F.prepare(F.synthetic(args.work / "tables", rows=args.rows, parties=k), args.work)
+        for k in ks
+    }
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for k in ks:
+            raw = F.config_raw(
+                preps[k].dataset, aggregation="plain", epochs=args.epochs, batch_size=args.batch
+            )
+            runners = {"centralised": F.run_centralised, "bare": run_bare}
+            if args.securevfl:
+                runners["securevfl"] = F.run_federation
+            for name, run in runners.items():
+                r = run(preps[k], raw, args.work / f"r{rep}-k{k}-{name}")
+                r.update(arm=name, parties=k, repeat=rep)
+                runs.append(r)
+                print(
+                    f"k={k} rep={rep} {name} ok={r.get('ok')} {r.get('epoch_seconds')}", flush=True
+                )
+                if not r.get("ok"):
+                    print(r.get("error", ""), file=sys.stderr)
+    table = []
+    for k in ks:
+        row: dict[str, Any] = {"parties": k}
+        for name in ("centralised", "bare", "securevfl"):
+            mine = [r for r in runs if r["arm"] == name and r["parties"] == k and r.get("ok")]
+            epochs = [x for r in mine for x in r.get("epoch_seconds", [])]
+            if not epochs:
+                continue
+            row[f"{name}_epoch_s"] = round(statistics.median(epochs), 4)
+            row[f"{name}_test"] = mine[-1].get("test")
+            if name == "bare":
+                row["bare_cpu_us_per_batch"] = {
+                    role: statistics.median(r["cpu_us_per_batch"][role] for r in mine)
+                    for role in mine[0]["cpu_us_per_batch"]
+                }
+        for name in ("bare", "securevfl"):
+            if f"{name}_epoch_s" in row and "centralised_epoch_s" in row:
+                row[f"{name}_ratio"] = round(row[f"{name}_epoch_s"] / row["centralised_epoch_s"], 2)
+        table.append(row)
+    result = {
+        "command": "python " + " ".join(["bench/bare_federation.py", *argv]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": args.rows,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "batch_size": args.batch,
+        "seconds": round(time.time() - started, 1),
+        "table": table,
+        "runs": runs,
+    }
+    print(json.dumps(table, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
