@@ -8,15 +8,18 @@ seeds, models and Adam as `fedbench.centralised`, the same fused round per batch
 (the active party's call carries the batch's ids and the previous batch's gradient; a party
 applies the gradient, then computes the next forward; the aggregator relays the call and sums
 the forwards) — and nothing else: no envelope, validation, authentication, policy, ledger,
-heartbeats or checkpoints. Each role reports its CPU seconds per batch (its process's
-`time.process_time` over the training batches, every thread of it included).
+heartbeats or checkpoints. Each role reports its CPU microseconds per batch after the first
+epoch (its process's `time.process_time` at each training call, every thread of it included:
+`steady_cpu_us`).
 
     python bench/bare_federation.py [--rows 10000] [--parties 2,4] [--epochs 10] [--repeats 3]
-        [--securevfl] [--out FILE.json]
+        [--data credit_default.csv] [--aggregations plain,mask] [--securevfl] [--out FILE.json]
 
-`--securevfl` also runs securevfl's plain federation (`fedbench.run_federation`) in every
-repeat; the centralised reference (`fedbench.run_centralised`) always runs. Arms are interleaved
-per repeat. Not a product path: a yardstick for `bench/fed_central.py`.
+`--securevfl` also runs securevfl's federation (`fedbench.run_federation`) in every repeat;
+`--aggregations plain,mask` adds the masked sum (arms `bare-mask`, `securevfl-mask`: the bare
+one masks as `PairMasks` says, the aggregator adds in Z_2^64, the active party decodes). The
+centralised reference (`fedbench.run_centralised`) always runs. Arms are interleaved per
+repeat. Not a product path: a yardstick for `bench/fed_central.py`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,47 @@ def _socket(role: str, spec: dict[str, Any]) -> Any:
     return sock
 
 
+class PairMasks:
+    """A party's pairwise masks as the masked sum makes them, nothing around it: per call and
+    other party, an AES-CTR keystream of one 64-bit word per value (key per pair, the call's
+    number as the nonce), added if this party's name sorts first, else subtracted, onto the
+    fixed-point encoding (20 fractional bits) of the values. Bench keys: derived from the names
+    (the cost of a keystream does not depend on where its key came from)."""
+
+    def __init__(self, me: str, parties: list[str]) -> None:
+        import hashlib
+
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        self._ctr = lambda key, nonce: Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
+
+        self.pairs = [
+            (hashlib.sha256("|".join(sorted((me, p))).encode()).digest(), me < p)
+            for p in parties
+            if p != me
+        ]
+
+    def mask(self, values: np.ndarray, round_no: int) -> np.ndarray:
+        out = np.rint(values.astype(np.float64) * FRACTION).astype(np.int64).view(np.uint64)
+        zeros = bytes(8 * out.size)
+        nonce = round_no.to_bytes(16, "big")
+        for key, add in self.pairs:
+            stream = self._ctr(key, nonce).update(zeros)
+            words = np.frombuffer(stream, dtype=np.uint64).reshape(out.shape)
+            (np.add if add else np.subtract)(out, words, out=out)
+        return out
+
+
+FRACTION = 2.0**20
+
+
+def _received_sum(frame: bytes, spec: dict[str, Any]) -> np.ndarray:
+    """The sum as the active party reads it: float32, decoded from the ring when masked."""
+    if spec["aggregation"] != "mask":
+        return np.frombuffer(frame, dtype=np.float32)
+    return (np.frombuffer(frame, dtype=np.int64) / FRACTION).astype(np.float32)
+
+
 def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
     sock = _socket(AGGREGATOR, spec)
     parties = [p.encode() for p in spec["parties"]]
@@ -76,20 +120,23 @@ def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
         waiting.discard(sock.recv_multipart()[0])
     for role in [*parties, ACTIVE.encode()]:
         sock.send_multipart([role, b"go"])
-    cpu = time.process_time()
+    marks = []  # CPU seconds at each training call
     while True:
         frames = sock.recv_multipart(copy=False)
         kind = frames[1].bytes
+        if kind == b"train":
+            marks.append(time.process_time())
         for p in parties:  # the call, relayed as it came
             sock.send_multipart([p, *frames[1:]], copy=False)
         if kind == b"stop":
-            return {"cpu_seconds": time.process_time() - cpu}
+            return {"cpu_marks": marks}
         if kind == b"setup":
             continue
         got: dict[bytes, np.ndarray] = {}
+        dtype = np.uint64 if spec["aggregation"] == "mask" else np.float32
         while len(got) < len(parties):
             sender, out = sock.recv_multipart()
-            got[sender] = np.frombuffer(out, dtype=np.float32)
+            got[sender] = np.frombuffer(out, dtype=dtype)
         total = got[parties[0]].copy()
         for p in parties[1:]:  # in party order, as the centralised sum
             total += got[p]
@@ -113,17 +160,20 @@ def _party(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     sock = _socket(name, spec)
     scaler = None
     pending = None
-    cpu = None
+    marks = []  # CPU seconds at each training call
+    masks = PairMasks(name, spec["parties"]) if spec["aggregation"] == "mask" else None
+    round_no = 0
     while True:
         frames = sock.recv_multipart()
         kind = frames[0]
         if kind == b"stop":
-            return {"cpu_seconds": time.process_time() - cpu}
+            return {"cpu_marks": marks}
         ids = np.frombuffer(frames[1], dtype=np.int64)
         if kind == b"setup":
             scaler = Standardizer().fit(table.rows(ids))
-            cpu = time.process_time()
             continue
+        if kind == b"train":
+            marks.append(time.process_time())
         if frames[2] and pending is not None:  # the previous batch's gradient first
             grad = torch.from_numpy(
                 np.frombuffer(frames[2], dtype=np.float32).reshape(pending.shape).copy()
@@ -139,7 +189,11 @@ def _party(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         else:
             out = encoder(x)
             pending = out
-        sock.send_multipart([out.detach().numpy()])
+        out = out.detach().numpy()
+        if masks is not None:
+            out = masks.mask(out, round_no)
+            round_no += 1
+        sock.send_multipart([out])
 
 
 def _active(spec: dict[str, Any]) -> dict[str, Any]:
@@ -179,14 +233,15 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
     sock = _socket(ACTIVE, spec)
     empty = np.zeros(0, dtype=np.float32)
     sock.send_multipart([b"setup", np.asarray(train_ids, dtype=np.int64)])
-    cpu = time.process_time()
+    marks = []  # CPU seconds at each training call
     grad = empty
     epoch_seconds, n_batches = [], 0
     for epoch in range(cfg.epochs):
         started = time.perf_counter()
         for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
+            marks.append(time.process_time())
             sock.send_multipart([b"train", np.asarray(ids, dtype=np.int64), grad])
-            s = np.frombuffer(sock.recv(), dtype=np.float32).reshape(len(ids), cfg.width)
+            s = _received_sum(sock.recv(), spec).reshape(len(ids), cfg.width)
             z = torch.from_numpy(s.copy()).requires_grad_()
             loss = task_loss(cfg.task, head(z), torch.as_tensor(active.label_rows(ids)))
             opt.zero_grad()
@@ -195,15 +250,14 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
             grad = z.grad.numpy()
             n_batches += 1
         epoch_seconds.append(time.perf_counter() - started)
-    cpu = time.process_time() - cpu
     sock.send_multipart([b"eval", np.asarray(test_ids, dtype=np.int64), grad])  # last step too
-    s = np.frombuffer(sock.recv(), dtype=np.float32).reshape(len(test_ids), cfg.width)
+    s = _received_sum(sock.recv(), spec).reshape(len(test_ids), cfg.width)
     with torch.no_grad():
         output = head(torch.from_numpy(s.copy())).numpy()
     test = task_metrics(cfg.task, y_true=active.label_rows(test_ids), output=output)
     sock.send_multipart([b"stop", empty, empty])
     return {
-        "cpu_seconds": cpu,
+        "cpu_marks": marks,
         "batches": n_batches,
         "epoch_seconds": [round(x, 4) for x in epoch_seconds],
         "test": test,
@@ -244,6 +298,7 @@ def run_bare(
         "config": str(cfg_path),
         "files": {r: str(p) for r, p in prep.files.items()},
         "parties": list(cfg.party_names),
+        "aggregation": cfg.aggregation,
         "endpoint": f"tcp://127.0.0.1:{free_port()}",
         "server": [k.decode() for k in server],
     }
@@ -284,9 +339,19 @@ def run_bare(
         "median_epoch_seconds": statistics.median(results[ACTIVE]["epoch_seconds"]),
         "test": results[ACTIVE]["test"],
         "batches": n,
-        "cpu_us_per_batch": {r: round(1e6 * results[r]["cpu_seconds"] / n, 1) for r in roles},
+        "cpu_us_per_batch": {r: steady_cpu_us(results[r]["cpu_marks"], cfg.epochs) for r in roles},
         "load_before": load_before,
     }
+
+
+def steady_cpu_us(marks: list[float], epochs: int) -> float:
+    """CPU microseconds a batch after the first epoch (its first calls pay one-off costs: lazy
+    imports, torch's first kernels): from the first call of the second epoch to the last call,
+    over the calls between. With one epoch, over all of them."""
+    first = len(marks) // epochs if epochs > 1 else 0
+    if len(marks) - 1 - first < 1:
+        return float("nan")
+    return round(1e6 * (marks[-1] - marks[first]) / (len(marks) - 1 - first), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,26 +364,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--securevfl", action="store_true", help="also securevfl's plain federation")
+    ap.add_argument("--securevfl", action="store_true", help="also securevfl's federation")
+    ap.add_argument(
+        "--aggregations", default="plain", help="plain and/or mask (arms bare-mask, securevfl-mask)"
+    )
+    ap.add_argument(
+        "--data", type=Path, default=None, help="Credit's CSV instead of synthetic rows (--rows)"
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-bare"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.parties.split(",")]
     started = time.time()
+    aggregations = args.aggregations.split(",")
+    if not set(aggregations) <= {"plain", "mask"}:
+        raise SystemExit(f"--aggregations {args.aggregations!r}: plain and/or mask")
     preps = {
-        k: F.prepare(F.synthetic(args.work / "tables", rows=args.rows, parties=k), args.work)
+        k: F.prepare(
+            F.synthetic(args.work / "tables", rows=args.rows, parties=k)
+            if args.data is None
+            else F.credit(args.data, parties=k),
+            args.work,
+        )
         for k in ks
     }
+    arms = ["centralised"]
+    for agg in aggregations:
+        suffix = "" if agg == "plain" else f"-{agg}"
+        arms += [f"bare{suffix}", *([f"securevfl{suffix}"] if args.securevfl else [])]
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for k in ks:
-            raw = F.config_raw(
-                preps[k].dataset, aggregation="plain", epochs=args.epochs, batch_size=args.batch
-            )
-            runners = {"centralised": F.run_centralised, "bare": run_bare}
-            if args.securevfl:
-                runners["securevfl"] = F.run_federation
-            for name, run in runners.items():
+            for name in arms:
+                base, _, agg = name.partition("-")
+                run = {"centralised": F.run_centralised, "bare": run_bare}.get(
+                    base, F.run_federation
+                )
+                raw = F.config_raw(
+                    preps[k].dataset,
+                    aggregation=agg or "plain",
+                    epochs=args.epochs,
+                    batch_size=args.batch,
+                )
                 r = run(preps[k], raw, args.work / f"r{rep}-k{k}-{name}")
                 r.update(arm=name, parties=k, repeat=rep)
                 runs.append(r)
@@ -330,21 +417,26 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for k in ks:
         row: dict[str, Any] = {"parties": k}
-        for name in ("centralised", "bare", "securevfl"):
+        for name in arms:
             mine = [r for r in runs if r["arm"] == name and r["parties"] == k and r.get("ok")]
             epochs = [x for r in mine for x in r.get("epoch_seconds", [])]
             if not epochs:
                 continue
             row[f"{name}_epoch_s"] = round(statistics.median(epochs), 4)
             row[f"{name}_test"] = mine[-1].get("test")
-            if name == "bare":
-                row["bare_cpu_us_per_batch"] = {
+            if name.startswith("bare"):
+                row[f"{name}_cpu_us_per_batch"] = {
                     role: statistics.median(r["cpu_us_per_batch"][role] for r in mine)
                     for role in mine[0]["cpu_us_per_batch"]
                 }
-        for name in ("bare", "securevfl"):
+        for name in arms[1:]:
             if f"{name}_epoch_s" in row and "centralised_epoch_s" in row:
                 row[f"{name}_ratio"] = round(row[f"{name}_epoch_s"] / row["centralised_epoch_s"], 2)
+            plain = name.partition("-")[0]
+            if name != plain and f"{name}_epoch_s" in row and f"{plain}_epoch_s" in row:
+                row[f"{name}_over_plain"] = round(
+                    row[f"{name}_epoch_s"] / row[f"{plain}_epoch_s"], 3
+                )
         table.append(row)
     result = {
         "command": "python " + " ".join(["bench/bare_federation.py", *argv]),

@@ -431,3 +431,31 @@ def test_the_bare_federation_trains_the_centralised_model_over_real_processes(
     central = F.centralised(F.write_toml(raw, tmp_path / "central.toml"), prep.files)
     for key in ("accuracy", "roc_auc", "f1"):
         assert bare["test"][key] == pytest.approx(central["test"][key], abs=1e-5)
+
+
+def test_the_bare_cpu_per_batch_leaves_out_the_first_epoch() -> None:
+    import bare_federation as B
+
+    marks = [0.0, 0.5, 0.6, 1.0, 1.001, 1.002, 1.003, 1.004]  # 2 epochs of 4 calls
+    assert B.steady_cpu_us(marks, 2) == 1000.0  # 1.001 -> 1.004 s: 3 calls, not the warm-up
+    assert B.steady_cpu_us(marks[:5], 1) == round(1e6 * 1.001 / 4, 1)
+
+
+def test_the_bare_masks_cancel_in_the_sum_and_hide_each_value() -> None:
+    """The bare masked arm pays for real keystreams: each party's masked words alone are not its
+    encoding, the ring sum over the parties decodes to the sum of the values."""
+    import bare_federation as B
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    parties = ["p1", "p2", "p3"]
+    values = {p: rng.standard_normal((8, 4)).astype(np.float32) for p in parties}
+    masked = {p: B.PairMasks(p, parties).mask(values[p], 5) for p in parties}
+    for p in parties:
+        encoded = np.rint(values[p].astype(np.float64) * B.FRACTION).astype(np.int64)
+        assert not np.array_equal(masked[p].view(np.int64), encoded)
+    total = masked["p1"] + masked["p2"] + masked["p3"]  # uint64: wraps, as the aggregator adds
+    decoded = B._received_sum(total.tobytes(), {"aggregation": "mask"}).reshape(8, 4)
+    np.testing.assert_allclose(decoded, sum(values.values()), atol=3 * 2.0**-20)
+    again = B.PairMasks("p1", parties).mask(values["p1"], 6)  # another call: other masks
+    assert not np.array_equal(again, masked["p1"])
