@@ -415,13 +415,15 @@ def test_digits_issue_floor_mcar5(one_thread):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(5400)
 def test_digits_issue_floor_mnar7(one_thread):
-    """Under MNAR 7 training and test, FALSE-VFL-II >= FALSE-VFL-I - 1 point, averaged over three
-    seeds: single runs differ by -2.4..+1.4 points either way (measured per-seed II - I at
-    seeds 0, 1, 2: -1.2, -2.4, +1.4), so one seed cannot decide it (~20 min of one core)."""
+    """Under MNAR 7 training and test, FALSE-VFL-II >= FALSE-VFL-I - 1 point, averaged over the
+    eight seeds the issue was judged on (0-7, fixed before they ran). One seed's II - I spreads
+    over several points either way (2026-11-25, this computation: -3.4, -2.6, +1.6, +1.8, -0.6,
+    +2.0, +1.2, 0.0 at seeds 0-7, mean 0.0), so three seeds (as this test had) failed the floor
+    with a mean of -1.47 while the eight hold it (~40 min of one core)."""
     diffs = []
-    for seed in (0, 1, 2):
+    for seed in range(8):
         acc = digits_experiment(
             train_mechanism="mnar7",
             test_mechanisms=("mnar7",),
