@@ -200,35 +200,12 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from securevfl.config import load_config
-    from securevfl.data.table import load_active_table, stratified, train_test_split
-    from securevfl.methods.blocks.nets import (
-        batches,
-        class_count,
-        derived_seed,
-        make_optimizer,
-        mlp,
-        output_dim,
-        task_loss,
-    )
+    from securevfl.methods.blocks.nets import batches, make_optimizer, task_loss
     from securevfl.metrics import task_metrics
 
     torch.set_num_threads(1)
     cfg = load_config(spec["config"])
-    active = load_active_table(Path(spec["files"][cfg.active_name]), cfg)
-    train_ids, test_ids = train_test_split(
-        active.ids,
-        test_fraction=cfg.test_fraction,
-        seed=cfg.seed,
-        labels=active.labels,
-        stratify=stratified(cfg),
-    )
-    n_classes = class_count(cfg.task, active.labels)
-    head = mlp(
-        cfg.width,
-        cfg.head_hidden,
-        output_dim(cfg.task, n_classes),
-        seed=derived_seed(cfg.seed, "head"),
-    )
+    active, train_ids, test_ids, head = F.active_split(cfg, spec["files"])
     opt = make_optimizer(head.parameters(), cfg)
     sock = _socket(ACTIVE, spec)
     empty = np.zeros(0, dtype=np.float32)
@@ -449,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table,
         "runs": runs,
     }
-    print(json.dumps(table, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    F.write_result(result, args.out)
     return 0
 
 

@@ -178,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table,
         "runs": runs,
     }
-    print(json.dumps(table, indent=1))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    F.write_result(result, args.out)
     return 0
 
 

@@ -346,33 +346,12 @@ def _supervise(
 # --- the centralised reference
 
 
-def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) -> dict[str, Any]:
-    """The same split-NN (one encoder per column block, their sum, the head, Adam) trained in one
-    process without roles, on the same files, rows, batches and seeds. Returns epoch seconds and
-    the test metrics (the federated run's should match to float tolerance)."""
-    import torch
+def active_split(cfg: Any, files: Mapping[str, Path]) -> tuple[Any, Any, Any, Any]:
+    """What the active party of the benchmark model holds: its table, the train and test ids
+    (split as the roles split them) and the head (seeded as the roles seed it)."""
+    from securevfl.data.table import load_active_table, stratified, train_test_split
+    from securevfl.methods.blocks.nets import class_count, derived_seed, mlp, output_dim
 
-    from securevfl.config import load_config
-    from securevfl.data.table import (
-        load_active_table,
-        load_party_table,
-        stratified,
-        train_test_split,
-    )
-    from securevfl.methods.blocks.nets import (
-        Standardizer,
-        batches,
-        class_count,
-        derived_seed,
-        make_optimizer,
-        mlp,
-        output_dim,
-        task_loss,
-    )
-    from securevfl.metrics import task_metrics
-
-    torch.set_num_threads(threads)
-    cfg = load_config(cfg_path)
     active = load_active_table(Path(files[cfg.active_name]), cfg)
     train_ids, test_ids = train_test_split(
         active.ids,
@@ -381,6 +360,45 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
         labels=active.labels,
         stratify=stratified(cfg),
     )
+    n_classes = class_count(cfg.task, active.labels)
+    head = mlp(
+        cfg.width,
+        cfg.head_hidden,
+        output_dim(cfg.task, n_classes),
+        seed=derived_seed(cfg.seed, "head"),
+    )
+    return active, train_ids, test_ids, head
+
+
+def write_result(result: Mapping[str, Any], out: Path | None) -> None:
+    """Print a benchmark's table and write its whole result as JSON to `out` (if given)."""
+    print(json.dumps(result["table"], indent=1))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) -> dict[str, Any]:
+    """The same split-NN (one encoder per column block, their sum, the head, Adam) trained in one
+    process without roles, on the same files, rows, batches and seeds. Returns epoch seconds and
+    the test metrics (the federated run's should match to float tolerance)."""
+    import torch
+
+    from securevfl.config import load_config
+    from securevfl.data.table import load_party_table
+    from securevfl.methods.blocks.nets import (
+        Standardizer,
+        batches,
+        derived_seed,
+        make_optimizer,
+        mlp,
+        task_loss,
+    )
+    from securevfl.metrics import task_metrics
+
+    torch.set_num_threads(threads)
+    cfg = load_config(cfg_path)
+    active, train_ids, test_ids, head = active_split(cfg, files)
     parties = {p: load_party_table(Path(files[p]), cfg, p) for p in cfg.party_names}
     scalers = {p: Standardizer().fit(t.rows(train_ids)) for p, t in parties.items()}
     encoders = {
@@ -392,13 +410,6 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
         )
         for p, t in parties.items()
     }
-    n_classes = class_count(cfg.task, active.labels)
-    head = mlp(
-        cfg.width,
-        cfg.head_hidden,
-        output_dim(cfg.task, n_classes),
-        seed=derived_seed(cfg.seed, "head"),
-    )
     # one optimiser per model, as the roles have (Adam is per parameter: the same updates)
     opts = [make_optimizer(e.parameters(), cfg) for e in encoders.values()]
     opts.append(make_optimizer(head.parameters(), cfg))
