@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -51,9 +52,12 @@ ACTIVE = "active"
 
 
 def _socket(role: str, spec: dict[str, Any]) -> Any:
+    """The role's socket, connected (every role has said hello); a receive that waits past
+    `spec["timeout_s"]` raises, so a role whose peers died or whose harness was killed ends."""
     import zmq
 
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.RCVTIMEO, int(1000 * spec["timeout_s"]))
     if role == AGGREGATOR:
         sock = ctx.socket(zmq.ROUTER)
         sock.curve_server = True
@@ -112,6 +116,12 @@ def _received_sum(frame: bytes, spec: dict[str, Any]) -> np.ndarray:
     return (np.frombuffer(frame, dtype=np.int64) / FRACTION).astype(np.float32)
 
 
+def _close(sock: Any) -> None:
+    """Send what is queued (the stop), then close: `os._exit` would drop it."""
+    sock.close(linger=5000)
+    sock.context.term()
+
+
 def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
     sock = _socket(AGGREGATOR, spec)
     parties = [p.encode() for p in spec["parties"]]
@@ -129,6 +139,7 @@ def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
         for p in parties:  # the call, relayed as it came
             sock.send_multipart([p, *frames[1:]], copy=False)
         if kind == b"stop":
+            _close(sock)
             return {"cpu_marks": marks}
         if kind == b"setup":
             continue
@@ -157,16 +168,17 @@ def _party(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         len(table.columns), cfg.hidden, cfg.width, seed=derived_seed(cfg.seed, "encoder", name)
     )
     opt = make_optimizer(encoder.parameters(), cfg)
-    sock = _socket(name, spec)
+    masks = PairMasks(name, spec["parties"]) if spec["aggregation"] == "mask" else None
+    sock = _socket(name, spec)  # after everything that loads: the active party's clock runs
     scaler = None
     pending = None
     marks = []  # CPU seconds at each training call
-    masks = PairMasks(name, spec["parties"]) if spec["aggregation"] == "mask" else None
     round_no = 0
     while True:
         frames = sock.recv_multipart()
         kind = frames[0]
         if kind == b"stop":
+            _close(sock)
             return {"cpu_marks": marks}
         ids = np.frombuffer(frames[1], dtype=np.int64)
         if kind == b"setup":
@@ -233,6 +245,7 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
         output = head(torch.from_numpy(s.copy())).numpy()
     test = task_metrics(cfg.task, y_true=active.label_rows(test_ids), output=output)
     sock.send_multipart([b"stop", empty, empty])
+    _close(sock)
     return {
         "cpu_marks": marks,
         "batches": n_batches,
@@ -276,6 +289,7 @@ def run_bare(
         "files": {r: str(p) for r, p in prep.files.items()},
         "parties": list(cfg.party_names),
         "aggregation": cfg.aggregation,
+        "timeout_s": timeout,
         "endpoint": f"tcp://127.0.0.1:{free_port()}",
         "server": [k.decode() for k in server],
     }
@@ -284,31 +298,40 @@ def run_bare(
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     roles = [AGGREGATOR, ACTIVE, *cfg.party_names]
     load_before = F.loadavg()
-    procs = {
-        r: subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "role", r, str(spec_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in roles
-    }
-    results: dict[str, Any] = {}
+    logs = {r: (out / f"{r}.out", out / f"{r}.err") for r in roles}
+    procs = {}
+    for r in roles:
+        with logs[r][0].open("w") as stdout, logs[r][1].open("w") as stderr:
+            procs[r] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "role", r, str(spec_path)],
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,  # killed as a group below, children and all
+            )
     deadline = time.monotonic() + timeout
     try:
-        for r, p in procs.items():
-            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode != 0 or not stdout.strip():
-                return {"ok": False, "error": f"{r} exited {p.returncode}: {stderr[-2000:]}"}
-            results[r] = json.loads(stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"the bare federation ran past {timeout:g} s"}
+        while any(p.poll() is None for p in procs.values()):
+            failed = [r for r, p in procs.items() if p.poll() not in (None, 0)]
+            if failed:  # one role failed: the others would wait for it
+                r = failed[0]
+                err = logs[r][1].read_text()[-2000:]
+                return {"ok": False, "error": f"{r} exited {procs[r].returncode}: {err}"}
+            if time.monotonic() > deadline:
+                return {"ok": False, "error": f"the bare federation ran past {timeout:g} s"}
+            time.sleep(0.05)
     finally:
         for p in procs.values():
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+    results: dict[str, Any] = {}
+    for r, p in procs.items():
+        text = logs[r][0].read_text().strip()
+        if p.returncode != 0 or not text:
+            err = logs[r][1].read_text()[-2000:]
+            return {"ok": False, "error": f"{r} exited {p.returncode}: {err}"}
+        results[r] = json.loads(text.splitlines()[-1])
     n = results[ACTIVE]["batches"]
     return {
         "ok": True,

@@ -433,6 +433,24 @@ def test_the_bare_federation_trains_the_centralised_model_over_real_processes(
         assert bare["test"][key] == pytest.approx(central["test"][key], abs=1e-5)
 
 
+def test_a_bare_role_that_fails_ends_the_run_at_once_with_its_error(tmp_path: Path) -> None:
+    """A party that cannot start (its table is missing) is reported by name with its own error
+    as soon as it exits; the others, waiting for it, are not left running."""
+    import dataclasses
+    import time
+
+    import bare_federation as B
+
+    ds, _, raw = _tiny(tmp_path)
+    prep = F.prepare(ds, tmp_path / "work")
+    broken = dataclasses.replace(prep, files={**prep.files, "p1": tmp_path / "nowhere.csv"})
+    started = time.monotonic()
+    bare = B.run_bare(broken, raw, tmp_path / "bare", timeout=100)
+    assert not bare["ok"] and bare["error"].startswith("p1 exited"), bare
+    assert "nowhere.csv" in bare["error"]
+    assert time.monotonic() - started < 60  # not the timeout
+
+
 def test_the_bare_cpu_per_batch_leaves_out_the_first_epoch() -> None:
     import bare_federation as B
 
