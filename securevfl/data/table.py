@@ -879,9 +879,11 @@ def _check_pass(
         writer.abandon()
         raise
     if not regression:  # refuses a bad [data] positive, as the codec over every row does
-        LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
-            label_levels.levels[cfg.label], np.empty(0, np.int32), column=cfg.label, where=where
+        levels = label_levels.levels[cfg.label]
+        coded = LabelCodec(cfg.task, positive=cfg.positive).encode_levels(
+            levels, np.arange(len(levels), dtype=np.int32), column=cfg.label, where=where
         )
+        _check_labels(cfg, coded)  # each label once: what the rows hold
     if first_empty is not None and cfg.labeled is None:
         raise ConfigError(
             "[data] path",

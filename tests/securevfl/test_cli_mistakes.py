@@ -237,7 +237,8 @@ MISTAKES: list[tuple[str, Callable[[Setup], list[str]], str]] = [
     (
         "binary labels other than 0/1",
         lambda s: s.run("--set", _table_with(s, _relabel(lambda y: str(int(float(y)) + 1)))),
-        "task 'binary' needs labels 0 and 1, but the label column holds [1.0, 2.0]",
+        "task 'binary' needs labels 0 and 1, but the label column has 2 distinct label(s), read "
+        "as [1.0, 2.0]",
     ),
     (
         "class labels that are not integers",
@@ -247,7 +248,7 @@ MISTAKES: list[tuple[str, Callable[[Setup], list[str]], str]] = [
             "--set",
             'data.task="multiclass"',
         ),
-        "needs integer class labels 0..C-1",
+        "needs class labels 0..C-1",
     ),
     ("--out is a file", _out_is_a_file, "is a file, not a directory"),
     ("--resume of nothing", _resume_nothing, "holds no run to resume"),
@@ -551,7 +552,7 @@ def test_the_active_party_started_alone_refuses_labels_its_task_cannot_train_on(
     argv += ["--address", "tcp://127.0.0.1:9"]  # nothing listens: it must not get that far
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "needs labels 0 and 1" in err and "recode them as 0/1" in err, err
+    assert "needs labels 0 and 1" in err and 'positive = "2"' in err, err
     assert "Traceback" not in err
 
 
@@ -564,12 +565,33 @@ def test_class_count_refuses_labels_the_task_cannot_train_on():
     assert class_count("binary", np.array([0.0, 1.0, np.nan])) == 2
     assert class_count("multiclass", np.array([0.0, 2.0, 1.0])) == 3
     assert class_count("regression", np.array([0.3, 7.5])) == 1
+    assert class_count("binary", np.array([1.0, 1.0])) == 2  # one class seen: still two outputs
     for task, labels, words in [
-        ("binary", [1.0, 2.0], "needs labels 0 and 1"),
-        ("multiclass", [0.0, 1.5], "integer class labels"),
-        ("multiclass", [-1.0, 1.0], "integer class labels"),
+        ("binary", [1.0, 2.0], 'positive = "2"'),
+        ("binary", [-1.0, 1.0], 'positive = "1"'),
+        ("binary", [0.0, 1.0, 2.0], "'multiclass' for more than two classes"),
+        ("multiclass", [0.0, 1.5], "class labels 0..C-1"),
+        ("multiclass", [-1.0, 1.0], "class labels 0..C-1"),
+        ("multiclass", [0.0, 1e12], "class ids run up to"),
+        ("multiclass", [0.0, np.inf], "finite class labels"),
         ("binary", [np.nan, np.nan], "holds no label"),
     ]:
         with pytest.raises(DataError, match=words) as caught:
             class_count(task, np.array(labels))
         assert exit_code_for(caught.value) == 2
+
+
+def test_a_streamed_split_refuses_labels_its_task_cannot_train_on(tmp_path):
+    """The split's streamed path (a table too big to hold) checks the labels as the in-memory
+    path does, each distinct label once."""
+    from securevfl.config import load_config
+    from securevfl.data.table import split_federation
+
+    s = make_setup(tmp_path)
+    _table_with(s, _relabel(lambda y: str(int(float(y)) + 1)))
+    cfg = load_config(_config_with(s, 'path = "data.csv"', 'path = "edited.csv"'))
+    for stream in (False, True):
+        with pytest.raises(
+            ConfigError, match=r"\[data\] label: task 'binary' needs labels 0 and 1"
+        ):
+            split_federation(cfg, tmp_path / f"split-{stream}", stream=stream)

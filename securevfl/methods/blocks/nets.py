@@ -129,22 +129,38 @@ def class_count(task: str, labels: np.ndarray) -> int:
     from securevfl.errors import DataError
 
     values = np.unique(labels[~np.isnan(labels)])  # unlabeled rows (a labeled budget) left out
+    shown = f"{len(values)} distinct label(s), read as {values[:10].tolist()}"
     if not len(values):
         raise DataError(
-            "the label column holds no label in these rows; check [data] label, or label the rows"
+            "the label column holds no label in these rows; check [data] label (and, with "
+            "[missing] labeled, that the labeled budget leaves some labeled rows)"
+        )
+    if not np.all(np.isfinite(values)):
+        raise DataError(f"task {task!r} needs finite class labels; the label column has {shown}")
+    if task == "binary":
+        if set(values.tolist()) <= {0.0, 1.0}:
+            return 2
+        if len(values) == 2:
+            top = values[-1]
+            name = str(int(top)) if top == round(top) else repr(float(top))
+            hint = f'set [data] positive to the label that is class 1 (e.g. positive = "{name}")'
+        else:
+            hint = "set [data] task = 'multiclass' for more than two classes"
+        raise DataError(
+            f"task 'binary' needs labels 0 and 1, but the label column has {shown} (text labels "
+            f"are numbered in sorted order); {hint}, or recode them as 0/1"
         )
     if not np.all(values == np.round(values)) or values.min() < 0:
         raise DataError(
-            f"[data] task {task!r} needs integer class labels 0..C-1, but the label column holds "
-            f"{values[:10].tolist()}; recode the labels as 0..C-1, or set [data] task = "
-            "'regression' for a numeric target"
+            f"task {task!r} needs class labels 0..C-1 (or text labels), but the label column has "
+            f"{shown}; recode them as 0..C-1, or set [data] task = 'regression' for a numeric "
+            "target"
         )
     n = int(values.max()) + 1
-    if task == "binary" and n > 2:
+    if n > 10 * len(values) + 100:  # the output layer has one unit per class id up to the top
         raise DataError(
-            f"[data] task 'binary' needs labels 0 and 1, but the label column holds "
-            f"{values[:10].tolist()}; recode them as 0/1 (e.g. the smaller value as 0), or set "
-            "[data] task = 'multiclass' for more than two classes"
+            f"task {task!r}: class ids run up to {n - 1} for only {len(values)} distinct labels "
+            f"(an output of {n} classes); recode them as 0..C-1"
         )
     return max(n, 2)
 
