@@ -43,6 +43,7 @@ from transport.sockets import (
     configure_socket,
     describe_routing_id,
     first_seq,
+    forget_routing_ids,
     parse_routing_id,
     readable,
     recv_bounded,
@@ -349,6 +350,7 @@ class Hub(Endpoint):
             self._local_socket.close(linger=int(linger * 1000))
         if self._auth is not None:
             self._auth.stop()
+        forget_routing_ids()
         if self._own_context:
             self._context.term()
 

@@ -121,6 +121,12 @@ _ROUTING_CACHE = 256
 _parse_routing_id_cached = functools.lru_cache(maxsize=_ROUTING_CACHE)(_parse_routing_id)
 
 
+def forget_routing_ids() -> None:
+    """Drop the parsed routing ids kept for speed (they hold the peers' secret tokens): a hub
+    calls it when it closes, so no token outlives the hub that needed it."""
+    _parse_routing_id_cached.cache_clear()
+
+
 def describe_routing_id(rid: bytes) -> str:
     """A loggable rendering of a routing id: its token (a secret) replaced by ``<token>``."""
     parsed = parse_routing_id(rid)

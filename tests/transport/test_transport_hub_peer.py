@@ -383,3 +383,18 @@ def test_queued_shows_what_arrived_without_taking_it_even_after_the_sender_left(
     ]
     assert [hub.recv(timeout=1).meta["i"] for _ in range(2)] == [0, 1]
     assert hub.queued() == []
+
+
+def test_a_closed_hub_keeps_no_routing_token_in_the_parse_cache(make_hub, make_peer):
+    """Routing ids carry each peer's secret token; the hub parses them through a cache for
+    speed, and empties it when it closes."""
+    from transport.sockets import _parse_routing_id_cached
+
+    hub = make_hub()
+    peer = make_peer("party1", hub)
+    hub.wait_for(["party1"], timeout=3)
+    peer.send(Envelope(kind="contribution", sender="x"))
+    hub.recv(timeout=3)
+    assert _parse_routing_id_cached.cache_info().currsize > 0
+    hub.close()
+    assert _parse_routing_id_cached.cache_info().currsize == 0
