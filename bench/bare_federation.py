@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +50,7 @@ ACTIVE = "active"
 
 
 def _socket(role: str, spec: dict[str, Any]) -> Any:
-    """The role's socket, connected (every role has said hello); a receive that waits past
+    """The role's socket (a client's once every role has said hello); a receive that waits past
     `spec["timeout_s"]` raises, so a role whose peers died or whose harness was killed ends."""
     import zmq
 
@@ -75,6 +73,9 @@ def _socket(role: str, spec: dict[str, Any]) -> Any:
     return sock
 
 
+FRACTION = 2.0**20  # the bare masked sum's fixed-point scale
+
+
 class PairMasks:
     """A party's pairwise masks as the masked sum makes them, nothing around it: per call and
     other party, an AES-CTR keystream of one 64-bit word per value (key per pair, the call's
@@ -88,7 +89,6 @@ class PairMasks:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         self._ctr = lambda key, nonce: Cipher(algorithms.AES(key), modes.CTR(nonce)).encryptor()
-
         self.pairs = [
             (hashlib.sha256("|".join(sorted((me, p))).encode()).digest(), me < p)
             for p in parties
@@ -104,9 +104,6 @@ class PairMasks:
             words = np.frombuffer(stream, dtype=np.uint64).reshape(out.shape)
             (np.add if add else np.subtract)(out, words, out=out)
         return out
-
-
-FRACTION = 2.0**20
 
 
 def _received_sum(frame: bytes, spec: dict[str, Any]) -> np.ndarray:
@@ -130,6 +127,7 @@ def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
         waiting.discard(sock.recv_multipart()[0])
     for role in [*parties, ACTIVE.encode()]:
         sock.send_multipart([role, b"go"])
+    dtype = np.uint64 if spec["aggregation"] == "mask" else np.float32
     marks = []  # CPU seconds at each training call
     while True:
         frames = sock.recv_multipart(copy=False)
@@ -144,7 +142,6 @@ def _aggregator(spec: dict[str, Any]) -> dict[str, Any]:
         if kind == b"setup":
             continue
         got: dict[bytes, np.ndarray] = {}
-        dtype = np.uint64 if spec["aggregation"] == "mask" else np.float32
         while len(got) < len(parties):
             sender, out = sock.recv_multipart()
             got[sender] = np.frombuffer(out, dtype=dtype)
@@ -159,14 +156,12 @@ def _party(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     from securevfl.config import load_config
     from securevfl.data.table import load_party_table
-    from securevfl.methods.blocks.nets import Standardizer, derived_seed, make_optimizer, mlp
+    from securevfl.methods.blocks.nets import Standardizer, make_optimizer
 
     torch.set_num_threads(1)
     cfg = load_config(spec["config"])
     table = load_party_table(Path(spec["files"][name]), cfg, name)
-    encoder = mlp(
-        len(table.columns), cfg.hidden, cfg.width, seed=derived_seed(cfg.seed, "encoder", name)
-    )
+    encoder = F.encoder_of(cfg, table, name)
     opt = make_optimizer(encoder.parameters(), cfg)
     masks = PairMasks(name, spec["parties"]) if spec["aggregation"] == "mask" else None
     sock = _socket(name, spec)  # after everything that loads: the active party's clock runs
@@ -224,7 +219,7 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
     sock.send_multipart([b"setup", np.asarray(train_ids, dtype=np.int64)])
     marks = []  # CPU seconds at each training call
     grad = empty
-    epoch_seconds, n_batches = [], 0
+    epoch_seconds = []
     for epoch in range(cfg.epochs):
         started = time.perf_counter()
         for ids in batches(train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch):
@@ -237,7 +232,6 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
             loss.backward()
             opt.step()
             grad = z.grad.numpy()
-            n_batches += 1
         epoch_seconds.append(time.perf_counter() - started)
     sock.send_multipart([b"eval", np.asarray(test_ids, dtype=np.int64), grad])  # last step too
     s = _received_sum(sock.recv(), spec).reshape(len(test_ids), cfg.width)
@@ -248,7 +242,6 @@ def _active(spec: dict[str, Any]) -> dict[str, Any]:
     _close(sock)
     return {
         "cpu_marks": marks,
-        "batches": n_batches,
         "epoch_seconds": [round(x, 4) for x in epoch_seconds],
         "test": test,
     }
@@ -307,38 +300,24 @@ def run_bare(
                 env=env,
                 stdout=stdout,
                 stderr=stderr,
-                start_new_session=True,  # killed as a group below, children and all
             )
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            failed = [r for r, p in procs.items() if p.poll() not in (None, 0)]
-            if failed:  # one role failed: the others would wait for it
-                r = failed[0]
-                err = logs[r][1].read_text()[-2000:]
-                return {"ok": False, "error": f"{r} exited {procs[r].returncode}: {err}"}
-            if time.monotonic() > deadline:
-                return {"ok": False, "error": f"the bare federation ran past {timeout:g} s"}
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    reaped: dict[str, tuple[int, Any]] = {}
+    # one failed role fails the run: the others (waiting for it) are stopped at once
+    F.supervise(procs, reaped, timeout=timeout, grace=0.0)
+    codes = {r: code for r, (code, _) in reaped.items()}
     results: dict[str, Any] = {}
-    for r, p in procs.items():
+    for r in sorted(roles, key=lambda r: codes[r] <= 0):  # failed on its own before stopped
         text = logs[r][0].read_text().strip()
-        if p.returncode != 0 or not text:
-            err = logs[r][1].read_text()[-2000:]
-            return {"ok": False, "error": f"{r} exited {p.returncode}: {err}"}
+        if codes[r] != 0 or not text:
+            err = logs[r][1].read_text()[-2000:] or f"stopped after {timeout:g} s, or by another"
+            return {"ok": False, "error": f"{r} exited {codes[r]}: {err}"}
         results[r] = json.loads(text.splitlines()[-1])
-    n = results[ACTIVE]["batches"]
     return {
         "ok": True,
         "epoch_seconds": results[ACTIVE]["epoch_seconds"],
         "median_epoch_seconds": statistics.median(results[ACTIVE]["epoch_seconds"]),
         "test": results[ACTIVE]["test"],
-        "batches": n,
+        "batches": len(results[ACTIVE]["cpu_marks"]),
         "cpu_us_per_batch": {r: steady_cpu_us(results[r]["cpu_marks"], cfg.epochs) for r in roles},
         "load_before": load_before,
     }
@@ -380,12 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(aggregations) <= {"plain", "mask"}:
         raise SystemExit(f"--aggregations {args.aggregations!r}: plain and/or mask")
     preps = {
-        k: F.prepare(
-            F.synthetic(args.work / "tables", rows=args.rows, parties=k)
-            if args.data is None
-            else F.credit(args.data, parties=k),
-            args.work,
-        )
+        k: F.prepare(F.dataset_for(args.work, rows=args.rows, parties=k, data=args.data), args.work)
         for k in ks
     }
     arms = ["centralised"]
@@ -438,17 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{name}_epoch_s"] / row[f"{plain}_epoch_s"], 3
                 )
         table.append(row)
-    result = {
-        "command": "python " + " ".join(["bench/bare_federation.py", *argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rows": args.rows,
-        "epochs": args.epochs,
-        "repeats": args.repeats,
-        "batch_size": args.batch,
-        "seconds": round(time.time() - started, 1),
-        "table": table,
-        "runs": runs,
-    }
+    result = F.result_of("bare_federation.py", argv, args, started, table=table, runs=runs)
     F.write_result(result, args.out)
     return 0
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -97,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     preps = {}
     for k in ks:
-        ds = (
-            F.synthetic(args.work / "tables", rows=args.rows, parties=k)
-            if args.data is None
-            else F.credit(args.data, parties=k)
-        )
+        ds = F.dataset_for(args.work, rows=args.rows, parties=k, data=args.data)
         preps[k] = F.prepare(ds, args.work)
     for rep in range(args.repeats):
         for k in ks:
@@ -166,18 +161,15 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_ratio"] = statistics.median(fed) / row["centralised_epoch_s"]
                 row[f"{name}_ratio_to_cpu"] = statistics.median(fed) / row["centralised_cpu_s"]
         table.append(row)
-    result = {
-        "command": "python " + " ".join(["bench/fed_central.py", *(argv or sys.argv[1:])]),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
-        "rows": args.rows,
-        "epochs": args.epochs,
-        "repeats": args.repeats,
-        "batch_size": args.batch,
-        "arms": [{"name": n, "tree": t or "this", "overrides": o} for n, t, o in arms],
-        "seconds": round(time.time() - started, 1),
-        "table": table,
-        "runs": runs,
-    }
+    result = F.result_of(
+        "fed_central.py",
+        argv or sys.argv[1:],
+        args,
+        started,
+        arms=[{"name": n, "tree": t or "this", "overrides": o} for n, t, o in arms],
+        table=table,
+        runs=runs,
+    )
     F.write_result(result, args.out)
     return 0
 

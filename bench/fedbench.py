@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -249,7 +250,7 @@ def run_federation(
             )
             if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
                 time.sleep(0.1)  # let it bind before the others connect (they retry anyway)
-        killed = _supervise(procs, reaped, timeout=timeout)
+        killed = supervise(procs, reaped, timeout=timeout)
     finally:
         log.close()
         if proxy is not None:
@@ -308,7 +309,7 @@ def run_federation(
     return result
 
 
-def _supervise(
+def supervise(
     procs: Mapping[str, subprocess.Popen],
     reaped: dict[str, tuple[int, Any]],
     *,
@@ -348,18 +349,14 @@ def _supervise(
 
 def active_split(cfg: Any, files: Mapping[str, Path]) -> tuple[Any, Any, Any, Any]:
     """What the active party of the benchmark model holds: its table, the train and test ids
-    (split as the roles split them) and the head (seeded as the roles seed it)."""
-    from securevfl.data.table import load_active_table, stratified, train_test_split
+    (the active role's own split, `roles.active.split_table`) and the head (seeded as the roles
+    seed it)."""
+    from securevfl.data.table import load_active_table
     from securevfl.methods.blocks.nets import class_count, derived_seed, mlp, output_dim
+    from securevfl.roles.active import split_table
 
     active = load_active_table(Path(files[cfg.active_name]), cfg)
-    train_ids, test_ids = train_test_split(
-        active.ids,
-        test_fraction=cfg.test_fraction,
-        seed=cfg.seed,
-        labels=active.labels,
-        stratify=stratified(cfg),
-    )
+    train_ids, test_ids = split_table(active, cfg)
     n_classes = class_count(cfg.task, active.labels)
     head = mlp(
         cfg.width,
@@ -368,6 +365,39 @@ def active_split(cfg: Any, files: Mapping[str, Path]) -> tuple[Any, Any, Any, An
         seed=derived_seed(cfg.seed, "head"),
     )
     return active, train_ids, test_ids, head
+
+
+def encoder_of(cfg: Any, table: Any, party: str) -> Any:
+    """A party's encoder of the benchmark model, seeded as the roles seed it."""
+    from securevfl.methods.blocks.nets import derived_seed, mlp
+
+    return mlp(
+        len(table.columns), cfg.hidden, cfg.width, seed=derived_seed(cfg.seed, "encoder", party)
+    )
+
+
+def dataset_for(work: Path, *, rows: int, parties: int, data: Path | None) -> Dataset:
+    """The benchmarks' table: synthetic `rows` (kept under `work/tables`), or Credit at `data`."""
+    if data is None:
+        return synthetic(Path(work) / "tables", rows=rows, parties=parties)
+    return credit(data, parties=parties)
+
+
+def result_of(
+    script: str, argv: Sequence[str], args: Any, started: float, **fields: Any
+) -> dict[str, Any]:
+    """A benchmark's JSON: the command, the machine, the run's sizes and `fields` (its arms,
+    table, runs...), with the seconds since `started`."""
+    return {
+        "command": "python " + " ".join([f"bench/{script}", *argv]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "rows": args.rows,
+        "epochs": args.epochs,
+        "repeats": args.repeats,
+        "batch_size": args.batch,
+        "seconds": round(time.time() - started, 1),
+        **fields,
+    }
 
 
 def write_result(result: Mapping[str, Any], out: Path | None) -> None:
@@ -389,9 +419,7 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
     from securevfl.methods.blocks.nets import (
         Standardizer,
         batches,
-        derived_seed,
         make_optimizer,
-        mlp,
         task_loss,
     )
     from securevfl.metrics import task_metrics
@@ -401,15 +429,7 @@ def centralised(cfg_path: Path, files: Mapping[str, Path], *, threads: int = 1) 
     active, train_ids, test_ids, head = active_split(cfg, files)
     parties = {p: load_party_table(Path(files[p]), cfg, p) for p in cfg.party_names}
     scalers = {p: Standardizer().fit(t.rows(train_ids)) for p, t in parties.items()}
-    encoders = {
-        p: mlp(
-            len(t.columns),
-            cfg.hidden,
-            cfg.width,
-            seed=derived_seed(cfg.seed, "encoder", p),
-        )
-        for p, t in parties.items()
-    }
+    encoders = {p: encoder_of(cfg, t, p) for p, t in parties.items()}
     # one optimiser per model, as the roles have (Adam is per parameter: the same updates)
     opts = [make_optimizer(e.parameters(), cfg) for e in encoders.values()]
     opts.append(make_optimizer(head.parameters(), cfg))
