@@ -421,7 +421,7 @@ def test_the_bare_federation_trains_the_centralised_model_over_real_processes(
     processes, and reports each role's CPU per batch."""
     import bare_federation as B
 
-    ds, cfg_path, raw = _tiny(tmp_path)
+    ds, _, raw = _tiny(tmp_path)
     prep = F.prepare(ds, tmp_path / "work")
     bare = B.run_bare(prep, raw, tmp_path / "bare", timeout=120)
     assert bare["ok"], bare.get("error")
