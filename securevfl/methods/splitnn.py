@@ -229,6 +229,12 @@ class SplitNNActive(ActiveMethod):
         self.optimizer = make_optimizer(self.fusion.parameters(), cfg)
         self.scaler = Standardizer()
         self.training = None
+        self._step_due = False  # a charged head step not applied yet (`_apply_step`)
+
+    def _apply_step(self) -> None:
+        if self._step_due:
+            self._step_due = False
+            self.training.apply()
 
     def _sum_spec(self, ctx: ActiveContext) -> list[SumSpec]:
         return [SumSpec(key="S", tensor="rep", group=ctx.parties)]
@@ -248,10 +254,11 @@ class SplitNNActive(ActiveMethod):
         depth = self.config.pipeline_depth
         if depth == 0:  # one at a time: exactly the unpipelined protocol
             for ids in batches:
-                total = ctx.call(
+                ticket = ctx.post(
                     "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
-                )["S"]
-                yield ids, total, ctx.round
+                )
+                self._apply_step()  # the head's last update, while the parties compute
+                yield ids, ctx.wait(ticket)["S"], ticket.round
             return
         window: deque[tuple[np.ndarray, Any]] = deque()
         rows = iter(batches)
@@ -261,6 +268,7 @@ class SplitNNActive(ActiveMethod):
                     "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
                 )
                 window.append((ids, ticket))
+            self._apply_step()
             if not window:
                 return
             ids, ticket = window.popleft()
@@ -306,8 +314,11 @@ class SplitNNActive(ActiveMethod):
                 loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
                 loss.backward()
-                # the head steps first: a DP-SGD budget that runs out stops before any release
-                self.training.step(epoch=epoch)
+                # the head's step is charged first (a DP-SGD budget that runs out stops before
+                # any release) and applied once the next call is on its way (`_training_sums`):
+                # the gradient sent does not depend on it, the next batch's head sees it
+                self.training.charge(epoch=epoch)
+                self._step_due = True
                 ctx.return_gradients(
                     {tuple(ctx.parties): {"grad": s.grad.cpu().numpy()}},
                     ids=ids,
@@ -315,6 +326,7 @@ class SplitNNActive(ActiveMethod):
                     args={"forward": forward},
                 )
                 total_loss += float(loss.detach()) * len(ids)
+            self._apply_step()
             elapsed = time.perf_counter() - started
             ctx.epoch_done(
                 epoch,

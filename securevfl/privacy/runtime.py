@@ -592,6 +592,13 @@ class PrivateTraining:
 
     def step(self, *, epoch: int | None = None) -> None:
         """Charge a DP-SGD step (raises `BudgetExceeded` before stepping), then step."""
+        self.charge(epoch=epoch)
+        self.optimizer.step()
+
+    def charge(self, *, epoch: int | None = None) -> None:
+        """The ledger half of `step`: charge one DP-SGD step (raises `BudgetExceeded`); the
+        caller then applies it with `apply` before the weights are used again. Lets a role
+        release what the step's gradients allow first and update while the others compute."""
         if self.mechanism is not None:
             self.privacy.charge(
                 self.mechanism,
@@ -600,6 +607,9 @@ class PrivateTraining:
                 epoch=epoch,
                 note="DP-SGD step; amplified for observers of the model only",
             )
+
+    def apply(self) -> None:
+        """The optimizer half of `step` (after `charge`)."""
         self.optimizer.step()
 
 
