@@ -131,6 +131,14 @@ class FamilyGuard:
         if len(ids) == 0:
             return None
         known = self._tensors.setdefault(tensor, _Families())
+        if (
+            not known.blocks
+        ):  # the first sum of this version (every training forward): no family yet
+            isolated = isolating_set(groups, self.min_group)
+            if isolated is not None:
+                return _isolating(tensor, groups, isolated, row=int(ids[0]), versioned=False)
+            known.add(np.unique(ids), known.index(groups))
+            return None
         found = known.find(ids)  # (block, positions in it, mask over ids) per block hit
         which = np.zeros(len(ids), dtype=np.int64)  # each row's family (0: none yet)
         for b, positions, hit in found:
@@ -141,12 +149,7 @@ class FamilyGuard:
             isolated = isolating_set(family, self.min_group)
             if isolated is not None:
                 row = int(ids[np.argmax(which == old)])
-                sums = " ".join("{" + ",".join(sorted(g)) + "}" for g in family)
-                version = " (one model version)" if old else ""
-                return (
-                    f"row {row}: the sums {sums} of tensor {tensor!r}{version} combine into "
-                    f"the contribution of {list(isolated)} alone"
-                )
+                return _isolating(tensor, family, isolated, row=row, versioned=bool(old))
             grown[old] = known.index(family)
         lookup = np.arange(len(known.families), dtype=np.int64)
         lookup[list(grown)] = list(grown.values())
@@ -159,6 +162,17 @@ class FamilyGuard:
         if new.any():
             known.add(np.unique(ids[new]), grown[0])
         return None
+
+
+def _isolating(
+    tensor: str, family: Sequence[frozenset[str]], isolated: Any, *, row: int, versioned: bool
+) -> str:
+    sums = " ".join("{" + ",".join(sorted(g)) + "}" for g in family)
+    version = " (one model version)" if versioned else ""
+    return (
+        f"row {row}: the sums {sums} of tensor {tensor!r}{version} combine into the "
+        f"contribution of {list(isolated)} alone"
+    )
 
 
 class _Families:
@@ -316,14 +330,20 @@ class FamilyLog:
 _RAW_DIGEST_VALUES = 1 << 16  # CPU tensors up to this size are hashed byte for byte
 
 
-def model_digest(method: Any) -> bytes | None:
+def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     """The version of a party's model: a digest of the parameters and buffers of every torch
     module the party's method holds (attributes, and lists, tuples or dicts of them); None for
     a method without one (its updates then count as new versions, as before). Equal weights
     give equal digests, in any process and with any thread count: a small CPU tensor is hashed
     byte for byte; a large or GPU one by integer sums of its bytes read as integers (exact and
     independent of the order of summation; one device sync for all). Two different weights
-    that share a digest only make the party refuse more, never less."""
+    that share a digest only make the party refuse more, never less.
+
+    `views` (a dict the caller keeps between calls; a party digests after every update) holds
+    each small CPU tensor's byte view, which aliases its storage and so follows in-place
+    updates; an entry is used only while the tensor is the same object at the same address,
+    shape, dtype and layout (anything else is read again), so the digest is the same as
+    without it."""
     from securevfl.lazy import torch
 
     found: dict[int, Any] = {}
@@ -345,22 +365,43 @@ def model_digest(method: Any) -> bytes | None:
     h = hashlib.blake2b(digest_size=16)
     seen: set[int] = set()
     stats = []
+    kept: dict = {}
     for module in found.values():
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            t = t.detach()
-            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-            ints = _INT_VIEW.get(t.element_size())
-            if (t.device.type == "cpu" and t.numel() <= _RAW_DIGEST_VALUES) or ints is None:
-                h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            cached = views.get((name, id(t))) if views is not None else None
+            if cached is not None and cached[0] is t and cached[1] == _layout(t):
+                h.update(cached[2])
+                h.update(cached[3])
+                kept[(name, id(t))] = cached
+                continue
+            d = t.detach()
+            head = f"{name}|{tuple(d.shape)}|{d.dtype}|".encode()
+            h.update(head)
+            ints = _INT_VIEW.get(d.element_size())
+            if (d.device.type == "cpu" and d.numel() <= _RAW_DIGEST_VALUES) or ints is None:
+                flat = d.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                h.update(flat)
+                if views is not None and d.device.type == "cpu" and d.is_contiguous():
+                    kept[(name, id(t))] = (t, _layout(t), head, flat)  # `flat` aliases t
             else:  # its bytes as integers: an exact sum in any order
-                v = t.contiguous().reshape(-1).view(getattr(torch, ints))
+                v = d.contiguous().reshape(-1).view(getattr(torch, ints))
                 stats.append(v.sum(dtype=torch.int64))
     if stats:
         h.update(torch.stack(stats).cpu().numpy().tobytes())
+    if views is not None:
+        views.clear()
+        views.update(kept)  # only the tensors digested now: none kept alive past its module
     return h.digest()
+
+
+def _layout(t: Any) -> tuple:
+    """What must not change for a kept byte view of `t` to still be its bytes: the address
+    (the view holds the storage, so an equal address is the same storage), shape, strides,
+    dtype, device."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # element size -> integer view

@@ -300,6 +300,7 @@ class PartyRound:
         self.overlap = overlaps_sums(cfg)
         self._widths: dict[tuple[str, str], int] = {}  # values per row of each op's sums
         self._data_identity: bytes | None = None  # of this session's table (`_model_digest`)
+        self._digest_views: dict = {}  # the weights' byte views `model_digest` reuses
         self.device_time: Any = None  # a `DeviceClock` where the models run on a GPU
 
     def answer(self, env: Envelope) -> Envelope:
@@ -343,7 +344,7 @@ class PartyRound:
         file it read this session: scoring another file is another version)."""
         from securevfl.roles.guard import data_identity, model_digest
 
-        weights = model_digest(self.method)
+        weights = model_digest(self.method, views=self._digest_views)
         if weights is None:
             return None
         if self._data_identity is None:

@@ -193,3 +193,32 @@ def test_a_checkpoint_keeps_the_versions_a_session_can_come_back_to_and_drops_th
     assert kept == {b"start", b"e1", b"e2"}  # the first, and the two checkpoints on disk
     assert reopened.pins == {1: b"e1", 2: b"e2"}
     reopened.close()
+
+
+def test_a_digest_from_kept_views_is_the_digest_read_afresh():
+    """A party digests its weights after every update from byte views it keeps: they must give
+    the same digest as reading the weights again, after an in-place step, a `.data` swap, a
+    new module and a tensor past the byte-for-byte size."""
+    import torch
+
+    from securevfl.methods.blocks.nets import mlp
+    from securevfl.roles.guard import model_digest
+
+    class Method:
+        pass
+
+    method = Method()
+    method.encoder = mlp(6, (8,), 4, seed=1)
+    views: dict = {}
+    first = model_digest(method, views=views)
+    assert first == model_digest(method) and views
+    with torch.no_grad():
+        method.encoder[0].weight.add_(1.0)  # what an optimizer step does
+    stepped = model_digest(method, views=views)
+    assert stepped == model_digest(method) != first
+    method.encoder[0].weight.data = torch.zeros(8, 6)  # new storage under the same parameter
+    assert model_digest(method, views=views) == model_digest(method) != stepped
+    method.encoder = mlp(6, (8,), 4, seed=1)  # a new module with the first weights
+    assert model_digest(method, views=views) == first
+    method.extra = [torch.nn.Linear(300, 300)]  # 90,300 values: summed, not viewed
+    assert model_digest(method, views=views) == model_digest(method) != first
