@@ -381,10 +381,30 @@ def _check_plain(value: Any, where: str, depth: int) -> None:
         _refuse_unplain(value, where, depth)
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})  # exactly these: no call
+
+
 def _is_plain(value: Any, depth: int) -> bool:
-    """Whether `_refuse_unplain` would accept `value` (the same rules, no messages)."""
+    """Whether `_refuse_unplain` would accept `value` (the same rules, no messages). Scalars
+    of exactly the plain types (all that msgpack decodes to) are taken inline, without a call
+    each; anything else, subclasses included, goes the general way."""
     if depth > MAX_META_DEPTH:
         return False
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is dict or kind is list:
+        if depth == MAX_META_DEPTH and value:
+            return False  # its items would sit deeper than allowed
+        items = value.values() if kind is dict else value
+        if kind is dict:
+            for key in value:
+                if type(key) is not str and not isinstance(key, str):
+                    return False
+        for item in items:
+            if type(item) not in _SCALARS and not _is_plain(item, depth + 1):
+                return False
+        return True
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return True
     if isinstance(value, list | tuple):
@@ -449,7 +469,10 @@ def _decode_header(view: memoryview) -> dict[str, Any]:
             f"protocol version {quote(version)} is not supported (this side speaks version "
             f"{PROTOCOL_VERSION}); run the same securevfl version on every role"
         )
-    keys = set(header)
+    if header.keys() == HEADER_FIELDS:  # the common case, without building sets
+        keys: set = HEADER_FIELDS
+    else:
+        keys = set(header)
     missing = HEADER_FIELDS - keys
     if missing:
         raise EnvelopeError(f"the header is missing field(s) {sorted(missing)}")

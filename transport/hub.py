@@ -408,8 +408,9 @@ class Hub(Endpoint):
             self._raise_if_lost(now)
             if now >= deadline:
                 raise ReceiveTimeout(describe_timeout())
-            losses = [seen + self.peer_timeout for seen in self._last_seen.values()]
-            wake = min([deadline, self._next_heartbeat, *losses])
+            wake = min(deadline, self._next_heartbeat)
+            if self._last_seen:
+                wake = min(wake, min(self._last_seen.values()) + self.peer_timeout)
             self._poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
 
     def _drain(self, done: Callable[[], bool]) -> None:
@@ -489,6 +490,8 @@ class Hub(Endpoint):
                 self.logger.debug("heartbeat to %s not sent", name)
 
     def _raise_if_lost(self, now: float) -> None:
+        if not self._last_seen or now - min(self._last_seen.values()) <= self.peer_timeout:
+            return  # nobody silent too long (the common case: no sort)
         for name, seen in sorted(self._last_seen.items(), key=lambda item: item[1]):
             silent = now - seen
             if silent > self.peer_timeout:
@@ -512,7 +515,7 @@ class Hub(Endpoint):
             self._check(env, name=name, rid=rid, from_heartbeat_socket=from_heartbeat_socket)
             if not from_heartbeat_socket:
                 self._check_current(name, rid, hello=env.kind == HELLO_KIND)
-            nbytes = frames_nbytes(body)
+            nbytes = received.nbytes  # the envelope frames' bytes, counted as they arrived
             if env.kind not in RESERVED_KINDS:
                 self._check_pending(name, nbytes)
         except EnvelopeError as exc:

@@ -151,6 +151,10 @@ class Peer(Endpoint):
             self._socket = socket
             if not is_inproc(connect):  # inproc has no handshake to watch
                 self._monitor = socket.get_monitor_socket(events=_MONITOR_EVENTS)
+            self._poller = zmq.Poller()  # what `recv` waits on: the socket and its monitor
+            self._poller.register(socket, zmq.POLLIN)
+            if self._monitor is not None:
+                self._poller.register(self._monitor, zmq.POLLIN)
             socket.connect(connect)
             self._send_hello()
             self._heartbeat_thread = threading.Thread(
@@ -203,10 +207,7 @@ class Peer(Endpoint):
         """
         check_timeout(timeout)
         sock = self._open_socket()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
+        poller = self._poller
         deadline = time.monotonic() + timeout
         while True:
             self._process_monitor()

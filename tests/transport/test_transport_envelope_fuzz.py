@@ -311,11 +311,15 @@ _META_LIKE = st.recursive(
 
 
 @fast(400)
-@given(value=_META_LIKE, depth=st.integers(0, 12))
+@given(value=_META_LIKE, depth=st.one_of(st.integers(0, 12), st.integers(28, 34)))
+@example(value=[None], depth=32)  # items one level past the limit
+@example(value={"a": 1}, depth=32)
+@example(value=[], depth=32)
+@example(value={"a": [1]}, depth=31)
 def test_the_fast_plain_check_agrees_with_the_one_that_names_the_place(value, depth) -> None:
     """Meta is checked on every message by a walk that builds no path strings; only a refusal
     walks again to name the place. Both must accept exactly the same values (any nesting,
-    NumPy scalars, sets, non-str keys, depth beyond the limit)."""
+    NumPy scalars, sets, non-str keys, depth at and beyond the limit of 32)."""
     from transport import envelope as E
 
     try:
