@@ -33,6 +33,7 @@ from transport.sockets import (
     HEARTBEAT_KIND,
     HELLO_KIND,
     LINGER_MS,
+    NOBLOCK,
     RESERVED_KINDS,
     Endpoint,
     Received,
@@ -47,6 +48,7 @@ from transport.sockets import (
     parse_routing_id,
     readable,
     recv_bounded,
+    send_frames,
 )
 
 # the hub watches its own handshakes to name clients that hold the wrong hub key
@@ -266,7 +268,7 @@ class Hub(Endpoint):
             )
         frames = pack(self._stamp(env), limits=self.limits)
         try:
-            sock.send_multipart([rid, *frames], copy=False)
+            send_frames(sock, [rid, *frames])
         except zmq.Again as exc:
             raise TransportError(
                 f"{to} did not take a {env.kind!r} message within {self.peer_timeout:g} s: "
@@ -485,7 +487,7 @@ class Hub(Endpoint):
             self._seq += 1
             beat = pack(Envelope(kind=HEARTBEAT_KIND, sender=self.name, seq=self._seq))
             try:
-                self._socket_of(name).send_multipart([rid, *beat], flags=zmq.NOBLOCK)
+                send_frames(self._socket_of(name), [rid, *beat], flags=NOBLOCK)
             except zmq.ZMQError:  # gone or congested; loss detection is on the receive side
                 self.logger.debug("heartbeat to %s not sent", name)
 

@@ -33,6 +33,7 @@ from transport.sockets import (
     HEARTBEAT_KIND,
     HELLO_KIND,
     LINGER_MS,
+    NOBLOCK,
     RESERVED_KINDS,
     Endpoint,
     check_endpoint,
@@ -45,6 +46,7 @@ from transport.sockets import (
     new_routing_id,
     readable,
     recv_bounded,
+    send_frames,
 )
 
 _MONITOR_EVENTS = (
@@ -185,7 +187,7 @@ class Peer(Endpoint):
         self._process_monitor()
         frames = pack(self._stamp(env), limits=self.limits)
         try:
-            sock.send_multipart(frames, copy=False)
+            send_frames(sock, frames)
         except zmq.Again as exc:
             raise TransportError(
                 f"{self.hub_name} at {self.endpoint} did not take a {env.kind!r} message within "
@@ -296,7 +298,7 @@ class Peer(Endpoint):
         self._seq += 1
         hello = pack(Envelope(kind=HELLO_KIND, sender=self.name, seq=self._seq))
         try:
-            self._socket.send_multipart(hello, flags=zmq.NOBLOCK)
+            send_frames(self._socket, hello, flags=NOBLOCK)
         except zmq.Again:
             self.logger.debug("hello to %s not queued (send queue full)", self.hub_name)
 
@@ -416,7 +418,7 @@ class Peer(Endpoint):
                 seq += 1
                 beat = pack(Envelope(kind=HEARTBEAT_KIND, sender=self.name, seq=seq))
                 try:
-                    sock.send_multipart(beat, flags=zmq.NOBLOCK)
+                    send_frames(sock, beat, flags=NOBLOCK)
                 except zmq.ZMQError:
                     pass  # not connected (yet): nothing to keep alive
                 self._stop.wait(self.heartbeat_interval)
