@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,55 +80,92 @@ def run_federation(
         t.start()
         return t
 
-    threads = []
+    threads: dict[str, threading.Thread] = {}
     if not cfg.aggregator_in_active:  # else the active party's thread runs it (and binds)
-        threads.append(
-            role_thread(
-                "aggregator",
-                run_aggregator,
-                keys_dir=keys,
-                bind=address,
-                on_bound=lambda _endpoint: bound.set(),
-            )
+        aggregator = threads["aggregator"] = role_thread(
+            "aggregator",
+            run_aggregator,
+            keys_dir=keys,
+            bind=address,
+            on_bound=lambda _endpoint: bound.set(),
         )
-        bound.wait(timeout=cfg.startup_timeout)
+        deadline = time.monotonic() + cfg.startup_timeout
+        while not bound.wait(0.05) and aggregator.is_alive() and time.monotonic() < deadline:
+            pass  # bound, failed (the roles then find no hub and end) or out of time
     for p in cfg.party_names:
         table = load_party_table(role_data_path(out, p), cfg, p)
-        threads.append(
-            role_thread(
-                p,
-                run_party,
-                name=p,
-                run_dir=out,
-                keys_dir=keys,
-                data_path=role_data_path(out, p),
-                address=address,
-                device=device,
-                table=table,
-            )
-        )
-    active_table = load_active_table(role_data_path(out, cfg.active_name), cfg)
-    threads.append(
-        role_thread(
-            cfg.active_name,
-            run_active,
+        threads[p] = role_thread(
+            p,
+            run_party,
+            name=p,
             run_dir=out,
             keys_dir=keys,
-            data_path=role_data_path(out, cfg.active_name),
+            data_path=role_data_path(out, p),
             address=address,
             device=device,
-            resume=resume,
-            table=active_table,
-            out=stdout if stdout is not None else io.StringIO(),
+            table=table,
         )
+    active_table = load_active_table(role_data_path(out, cfg.active_name), cfg)
+    threads[cfg.active_name] = role_thread(
+        cfg.active_name,
+        run_active,
+        run_dir=out,
+        keys_dir=keys,
+        data_path=role_data_path(out, cfg.active_name),
+        address=address,
+        device=device,
+        resume=resume,
+        table=active_table,
+        out=stdout if stdout is not None else io.StringIO(),
     )
-    for t in threads:
-        t.join()
-    context.term()
+    from securevfl.roles.rounds import tolerates_dropout
+
+    watched = set(threads) if not tolerates_dropout(cfg) else {"aggregator", cfg.active_name}
+    if _wait_for_roles(
+        threads, codes, watched=watched, grace=cfg.peer_timeout + 10.0, context=context
+    ):
+        context.term()
     code = overall_status(codes, active=cfg.active_name, run_dir=out)
     metrics_path = out / "metrics.json"
     metrics = json.loads(metrics_path.read_text()) if code == 0 and metrics_path.exists() else None
     return code, metrics
+
+
+def _wait_for_roles(
+    threads: Mapping[str, threading.Thread],
+    codes: dict[str, int],
+    *,
+    watched: set[str],
+    grace: float,
+    context: zmq.Context,
+) -> bool:
+    """Wait for every role thread, as `launcher.supervise` waits for role processes: once a
+    watched role has failed, the others get `grace` seconds to stop on their own (a role that
+    fails before it connects is otherwise noticed only when the start-up timeout ends); then
+    the context is terminated, which ends every blocking receive of theirs with an error, and
+    each gets 10 s to close. A role still running after that is reported lost. Returns whether
+    the context is still to be terminated (it was not stopped here)."""
+    failed_at: float | None = None
+    while any(t.is_alive() for t in threads.values()):
+        if failed_at is None and any(codes.get(r) not in (None, 0) for r in watched):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            stuck = sorted(r for r, t in threads.items() if t.is_alive())
+            print(
+                f"securevfl: {', '.join(stuck)} did not stop within {grace:.0f} s of the "
+                "failure; stopping them",
+                file=sys.stderr,
+            )
+            # term() waits for every socket to close: on a thread of its own, so that a role
+            # that never closes cannot hold this one
+            threading.Thread(target=context.term, name="securevfl-stop", daemon=True).start()
+            for role in stuck:
+                threads[role].join(timeout=10.0)
+                if threads[role].is_alive():
+                    codes.setdefault(role, P.EXIT_PEER_LOST)
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def run_inproc(
