@@ -52,9 +52,10 @@ def parse_arm(text: str) -> tuple[str, str | None, dict[str, Any]]:
             raise SystemExit(
                 f"--arm {text!r}: override {pair!r} is not section.key=value or ENV_VAR=value"
             )
-        overrides[key] = (
-            json.loads(value) if value in ("true", "false") or value.isdigit() else value
-        )
+        try:  # numbers, true/false and lists as TOML would read them; anything else a string
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value
     return name, (None if tree in ("", ".") else str(Path(tree).resolve())), overrides
 
 

@@ -401,12 +401,14 @@ def test_a_benchmark_arm_names_its_tree_config_overrides_and_role_environment() 
     import fed_central as FC
 
     name, tree, overrides = FC.parse_arm(
-        "overlap=.:run.aggregation=mask,network.pipeline_depth=2,SECUREVFL_OVERLAP_SUMS=1"
+        "overlap=.:run.aggregation=mask,network.pipeline_depth=2,network.heartbeat_interval=5.0,"
+        "network.aggregator_in_active=true,SECUREVFL_OVERLAP_SUMS=1"
     )
     assert (name, tree) == ("overlap", None)
     assert FC.environment_of(overrides) == {"SECUREVFL_OVERLAP_SUMS": "1"}
     raw = FC.with_overrides({"run": {"aggregation": "plain"}}, overrides)
-    assert raw == {"run": {"aggregation": "mask"}, "network": {"pipeline_depth": 2}}
+    network = {"pipeline_depth": 2, "heartbeat_interval": 5.0, "aggregator_in_active": True}
+    assert raw == {"run": {"aggregation": "mask"}, "network": network}
     env, _ = F.role_environment(None, FC.environment_of(overrides))
     assert env["SECUREVFL_OVERLAP_SUMS"] == "1" and env["OMP_NUM_THREADS"] == "1"
     with pytest.raises(SystemExit, match="ENV_VAR=value"):
