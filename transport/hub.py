@@ -7,7 +7,8 @@ import math
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -259,6 +260,27 @@ class Hub(Endpoint):
         one whose session differs from :attr:`session`. Tensors are sent zero-copy: do not
         modify them until the peer has received them.
         """
+        sock, rid = self._route_to(to)
+        self._send_frames(to, sock, rid, env.kind, pack(self._stamp(env), limits=self.limits))
+        self._heartbeat_if_due()
+
+    def send_each(self, names: Sequence[str], env: Envelope) -> dict[str, TransportError]:
+        """Send ``env`` to every role in ``names``, stamped and encoded once (one ``seq``: each
+        peer still sees the hub's numbers strictly increase). Returns the roles it could not
+        send to, each with the ``TransportError`` that `send` would have raised; every other
+        role got the message. Refuses what `send` refuses for the envelope itself."""
+        frames = pack(self._stamp(env), limits=self.limits)
+        failed: dict[str, TransportError] = {}
+        for to in names:
+            try:
+                sock, rid = self._route_to(to)
+                self._send_frames(to, sock, rid, env.kind, frames)
+            except TransportError as exc:
+                failed[to] = exc
+        self._heartbeat_if_due()  # after: a beat between them would outnumber this seq
+        return failed
+
+    def _route_to(self, to: str) -> tuple[zmq.Socket, bytes]:
         sock = self._socket_of(to)
         rid = self._routes.get(to)
         if rid is None:
@@ -266,12 +288,16 @@ class Hub(Endpoint):
                 f"cannot send to {to!r}: it has not connected to {self.name} "
                 f"(connected: {sorted(self._routes) or 'none'}); call wait_for([{to!r}]) first"
             )
-        frames = pack(self._stamp(env), limits=self.limits)
+        return sock, rid
+
+    def _send_frames(
+        self, to: str, sock: zmq.Socket, rid: bytes, kind: str, frames: list[Any]
+    ) -> None:
         try:
             send_frames(sock, [rid, *frames])
         except zmq.Again as exc:
             raise TransportError(
-                f"{to} did not take a {env.kind!r} message within {self.peer_timeout:g} s: "
+                f"{to} did not take a {kind!r} message within {self.peer_timeout:g} s: "
                 "its receive queue is full; is it still calling recv()?"
             ) from exc
         except zmq.ZMQError as exc:
@@ -282,7 +308,6 @@ class Hub(Endpoint):
                 ) from exc
             raise
         self.bytes_sent += frames_nbytes(frames)
-        self._heartbeat_if_due()
 
     @property
     def context(self) -> zmq.Context:

@@ -248,14 +248,11 @@ class Aggregator:
             self._send(self.active, self.rounds.lost(call, gone, delivered=False))
             return
         failed = []
-        for party in call.to:
-            try:
-                self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
-            except TransportError as exc:  # gone before its heartbeat expired
-                lost = self._unreachable(party, exc)
-                if not self._drop(lost):
-                    raise lost from None
-                failed.append(party)
+        for party, exc in self._relay(call.to, env).items():  # gone before its heartbeat expired
+            lost = self._unreachable(party, exc)
+            if not self._drop(lost):
+                raise lost from None
+            failed.append(party)
         if failed:  # the others got the call: they may have run it
             delivered = len(failed) < len(call.to)
             self._send(self.active, self.rounds.lost(call, failed, delivered=delivered))
@@ -374,11 +371,8 @@ class Aggregator:
                 f"in flight; [network] pipeline_depth = {self.cfg.pipeline_depth} allows "
                 f"{limit}; stopping (check the active party's config)"
             )
-        for party in call.to:
-            try:
-                self._reply(party, P.CALL, env, tensors=env.tensors, meta=env.meta)
-            except TransportError as exc:  # gone before its heartbeat expired
-                raise self._unreachable(party, exc) from None
+        for party, exc in self._relay(call.to, env).items():  # gone before its heartbeat expired
+            raise self._unreachable(party, exc) from None
         open_rounds[env.round] = OpenRound(call=call, accepted={spec.key: {} for spec in call.sums})
 
     def _route(self, reply: Envelope, open_rounds: dict[int, OpenRound]) -> None:
@@ -482,6 +476,19 @@ class Aggregator:
 
     def _send(self, to: str, env: Envelope) -> None:
         self.hub.send(to, env)
+
+    def _relay(self, parties: Sequence[str], env: Envelope) -> dict[str, TransportError]:
+        """The active party's call to each of `parties`, encoded once; those it could not
+        reach, with why (the others got it)."""
+        call = Envelope(
+            kind=P.CALL,
+            sender=AGGREGATOR,
+            session=env.session,
+            round=env.round,
+            tensors=env.tensors,
+            meta=env.meta,
+        )
+        return self.hub.send_each(parties, call)
 
     def _reply(self, to: str, kind: str, env: Envelope, **fields: Any) -> None:
         """Send `kind` to `to` in the session and round of `env`."""

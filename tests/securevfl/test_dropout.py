@@ -163,6 +163,11 @@ class ScriptedHub:
     def send(self, to, env):
         self.sent.append((to, env))
 
+    def send_each(self, names, env):
+        for to in names:
+            self.send(to, env)
+        return {}
+
     def forget(self, name):
         self.forgotten.append(name)
 

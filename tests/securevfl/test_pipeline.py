@@ -358,6 +358,17 @@ class ScriptedHub:
             raise TransportError(f"cannot send to {to!r}: its connection to aggregator is gone")
         self.sent.append((to, env))
 
+    def send_each(self, names, env) -> dict:
+        from transport import TransportError
+
+        failed = {}
+        for to in names:
+            try:
+                self.send(to, env)
+            except TransportError as exc:
+                failed[to] = exc
+        return failed
+
     def queued(self):
         return list(self.script)
 

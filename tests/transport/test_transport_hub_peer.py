@@ -146,6 +146,33 @@ def test_waiting_tells_whether_a_message_arrived_and_is_false_once_closed(make_h
     assert peer.waiting() is False  # a closed peer: nothing to read, no socket error
 
 
+def test_send_each_delivers_one_encoding_to_every_role_and_names_those_it_cannot_reach(
+    make_hub, make_peer
+):
+    """The aggregator relays a call to all its parties encoded once: every peer gets the same
+    envelope, under one seq that still increases for each of them (a heartbeat due meanwhile
+    goes after it, not between), and a role that is not connected is reported, not raised."""
+    hub = make_hub()
+    peers = {name: make_peer(name, hub) for name in ("party1", "party2")}
+    hub.wait_for(peers, timeout=3)
+    tensors = {"ids": np.arange(5, dtype=np.int64), "grad": np.ones((5, 3), np.float32)}
+    for round_ in (1, 2):
+        hub._next_heartbeat = 0.0  # a heartbeat is due during the next relay
+        failed = hub.send_each(
+            ["party1", "party3", "party2"],
+            Envelope(kind="sum", sender="", round=round_, tensors=tensors, meta={"op": "x"}),
+        )
+        assert list(failed) == ["party3"] and "has not connected" in str(failed["party3"])
+        got = {name: peer.recv(timeout=3) for name, peer in peers.items()}
+        assert {(e.round, e.sender, e.meta["op"]) for e in got.values()} == {
+            (round_, "aggregator", "x")
+        }
+        assert got["party1"].seq == got["party2"].seq  # one stamp
+        for env in got.values():
+            assert_same_tensors(tensors, env.tensors)
+    assert all(peer.rejected == 0 for peer in peers.values())  # no seq went backwards
+
+
 def test_send_to_a_role_that_never_connected_is_refused(make_hub):
     hub = make_hub()
     with pytest.raises(TransportError, match="'party2': it has not connected"):
