@@ -58,6 +58,8 @@ _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAIL
 _HANDSHAKE_LOG_WINDOW_S = 60.0
 # replay state is kept per socket; bounded so that reconnect churn cannot grow it forever
 _MAX_TRACKED_SOCKETS = 4096
+# how often a busy hub reads its handshake events between polls (a waiting one at once)
+MONITOR_EVERY_S = 0.1
 
 
 class Hub(Endpoint):
@@ -180,6 +182,7 @@ class Hub(Endpoint):
         self._warned_untokened: set[str] = set()
         self._last_handshake_warning = -math.inf
         self.handshake_failures = 0
+        self._monitor_due = 0.0  # when `_process_monitor` next reads the events
         self._seq = first_seq()
         self._next_heartbeat = time.monotonic()
         self._closed = False
@@ -426,8 +429,10 @@ class Hub(Endpoint):
     ) -> None:
         self._open_socket()
         deadline = time.monotonic() + timeout
+        monitor = False  # its events are read when due, or at once when they woke the poll
         while True:
             self._heartbeat_if_due()
+            self._process_monitor(now=monitor)
             self._drain(done)
             if done():
                 return
@@ -438,11 +443,11 @@ class Hub(Endpoint):
             wake = min(deadline, self._next_heartbeat)
             if self._last_seen:
                 wake = min(wake, min(self._last_seen.values()) + self.peer_timeout)
-            self._poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+            woke = self._poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+            monitor = any(socket is self._monitor for socket, _ in woke)
 
     def _drain(self, done: Callable[[], bool]) -> None:
         sock = self._open_socket()
-        self._process_monitor()
         local = self._local_socket
         busy = True
         while busy and not done():
@@ -466,9 +471,15 @@ class Hub(Endpoint):
             self._handle(received)
             busy = True
 
-    def _process_monitor(self) -> None:
+    def _process_monitor(self, *, now: bool = False) -> None:
+        """Log failed handshakes; on the hot path at most every `MONITOR_EVERY_S` unless `now`
+        (the poll woke on them)."""
         if self._monitor is None:
             return
+        clock = time.monotonic()
+        if not now and clock < self._monitor_due:
+            return
+        self._monitor_due = clock + MONITOR_EVERY_S
         while readable(self._monitor):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))

@@ -58,6 +58,8 @@ _MONITOR_EVENTS = (
 # handshakes that fail in a row, with no ZAP verdict and no success, before we give up: a
 # hub restart costs at most one; a wrong server key fails every one (~0.7 s for three)
 HANDSHAKE_FAILURES_BEFORE_GIVING_UP = 3
+# how often a busy peer reads its handshake events between polls (a waiting one at once)
+MONITOR_EVERY_S = 0.1
 
 
 class Peer(Endpoint):
@@ -141,6 +143,7 @@ class Peer(Endpoint):
         self._refused: TransportError | None = None
         self._failed_in_a_row = 0
         self._handshakes = 0
+        self._monitor_due = 0.0  # when `_process_monitor` next reads the events
         self._closed = False
         self._own_context = context is None
         self._context = context if context is not None else zmq.Context()
@@ -211,8 +214,9 @@ class Peer(Endpoint):
         sock = self._open_socket()
         poller = self._poller
         deadline = time.monotonic() + timeout
+        due = False  # the monitor is read when due, or at once when it woke the poll
         while True:
-            self._process_monitor()
+            self._process_monitor(now=due)
             while readable(sock):
                 try:
                     received = recv_bounded(sock, limits=self.limits)
@@ -238,7 +242,8 @@ class Peer(Endpoint):
                     f"{self.name} received no message from {self.hub_name} ({self.endpoint}) "
                     f"within {timeout:g} s{heard}"
                 )
-            poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+            woke = poller.poll(timeout=max(0, math.ceil((wake - now) * 1000)))
+            due = any(socket is self._monitor for socket, _ in woke)
 
     def close(self, *, linger: float = LINGER_MS / 1000) -> None:
         """Stop the heartbeat thread, close the sockets; unsent messages go after ``linger`` s.
@@ -302,9 +307,18 @@ class Peer(Endpoint):
         except zmq.Again:
             self.logger.debug("hello to %s not queued (send queue full)", self.hub_name)
 
-    def _process_monitor(self) -> None:
+    def _process_monitor(self, *, now: bool = False) -> None:
+        """Read the handshake events (a refusal is raised); on the hot path at most every
+        `MONITOR_EVERY_S` unless `now` (the poll woke on them): they only matter while the
+        link comes up, and each read is a socket-option call on every message."""
         if self._monitor is None:
             return
+        if self._refused is not None:
+            raise self._refused
+        clock = time.monotonic()
+        if not now and clock < self._monitor_due:
+            return
+        self._monitor_due = clock + MONITOR_EVERY_S
         while readable(self._monitor):
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(flags=zmq.NOBLOCK))
