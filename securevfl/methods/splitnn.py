@@ -146,7 +146,8 @@ class SplitNNParty(PartyMethod):
         if op == "forward":
             x = self._inputs(ids)
             if args.get("train", False):
-                self.encoder.train()
+                if not self.encoder.training:  # train() walks every submodule: only on a change
+                    self.encoder.train()
                 if self.config.pipeline_depth == 0:
                     out = self.training.model(x)
                     self._keep(PendingForward(ids=ids, out=out))
