@@ -131,9 +131,8 @@ class FamilyGuard:
         if len(ids) == 0:
             return None
         known = self._tensors.setdefault(tensor, _Families())
-        if (
-            not known.blocks
-        ):  # the first sum of this version (every training forward): no family yet
+        if not known.blocks:
+            # the first sum of this version (every training forward): no family to look up
             isolated = isolating_set(groups, self.min_group)
             if isolated is not None:
                 return _isolating(tensor, groups, isolated, row=int(ids[0]), versioned=False)
