@@ -246,8 +246,9 @@ class SplitNNActive(ActiveMethod):
 
     def _training_sums(
         self, ctx: ActiveContext, batches: Iterable[np.ndarray]
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-        """(rows, S, round of their forward) for each training batch in order. With [network]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, int, tuple[Any, Any]]]:
+        """(rows, S, round of their forward, `_local` of the rows) for each training batch in
+        order; the active party reads its own rows while the parties compute. With [network]
         pipeline_depth = d > 0 the forwards of the next d batches are in flight while batch t's
         sum is awaited; the backward of batch t (held by `return_gradients`) rides ahead of the
         next forward posted, so a party computes the forward of batch t + k before the updates
@@ -259,7 +260,8 @@ class SplitNNActive(ActiveMethod):
                     "forward", ids=ids, args={"train": True}, sums=self._sum_spec(ctx)
                 )
                 self._apply_step()  # the head's last update, while the parties compute
-                yield ids, ctx.wait(ticket)["S"], ticket.round
+                local = self._local(ids)
+                yield ids, ctx.wait(ticket)["S"], ticket.round, local
             return
         window: deque[tuple[np.ndarray, Any]] = deque()
         rows = iter(batches)
@@ -273,15 +275,26 @@ class SplitNNActive(ActiveMethod):
             if not window:
                 return
             ids, ticket = window.popleft()
-            yield ids, ctx.wait(ticket)["S"], ticket.round
+            local = self._local(ids)
+            yield ids, ctx.wait(ticket)["S"], ticket.round, local
 
-    def _head(self, ids: np.ndarray, total: np.ndarray, *, train: bool) -> tuple[Any, Any]:
+    def _local(self, ids: np.ndarray) -> tuple[Any, Any]:
+        """What the active party reads of its own rows for a training batch: the labels and,
+        when it holds columns, its scaled inputs (None otherwise)."""
+        y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
+        return y, (None if self.own is None else self._own_inputs(ids))
+
+    def _own_inputs(self, ids: np.ndarray) -> Any:
+        return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
+
+    def _head(
+        self, ids: np.ndarray, total: np.ndarray, *, train: bool, x: Any = None
+    ) -> tuple[Any, Any]:
         s = torch.tensor(total, dtype=torch.float32, device=self.device, requires_grad=train)
         model = self.training.model if train and self.training is not None else self.fusion
         if self.own is None:
             return s, model(s)
-        x = torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
-        return s, model(s, x)
+        return s, model(s, self._own_inputs(ids) if x is None else x)
 
     def fit(self, ctx: ActiveContext, *, train_ids: np.ndarray) -> None:
         cfg = self.config
@@ -309,9 +322,8 @@ class SplitNNActive(ActiveMethod):
             total_loss = 0.0
             self.fusion.train()
             order = table_batches(self.table, train_ids, cfg.batch_size, seed=cfg.seed, epoch=epoch)
-            for ids, total, forward in self._training_sums(ctx, order):
-                s, out = self._head(ids, total, train=True)
-                y = torch.as_tensor(self.table.label_rows(ids), device=self.device)
+            for ids, total, forward, (y, x) in self._training_sums(ctx, order):
+                s, out = self._head(ids, total, train=True, x=x)
                 loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
                 loss.backward()
