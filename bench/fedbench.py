@@ -383,6 +383,18 @@ def dataset_for(work: Path, *, rows: int, parties: int, data: Path | None) -> Da
     return credit(data, parties=parties)
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where there is none): results taken on two
+    hosts must not be compared as if from one, and a VM may move between hosts."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def result_of(
     script: str, argv: Sequence[str], args: Any, started: float, **fields: Any
 ) -> dict[str, Any]:
@@ -390,7 +402,11 @@ def result_of(
     table, runs...), with the seconds since `started`."""
     return {
         "command": "python " + " ".join([f"bench/{script}", *argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu_model": cpu_model(),
+            "platform": platform.platform(),
+        },
         "rows": args.rows,
         "epochs": args.epochs,
         "repeats": args.repeats,

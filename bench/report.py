@@ -190,11 +190,9 @@ def machine() -> dict[str, Any]:
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "loadavg": F.loadavg(),
     }
+    if (model := F.cpu_model()) is not None:
+        info["cpu_model"] = model
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
                 info["ram_gib"] = round(int(line.split()[1]) / 2**20, 1)

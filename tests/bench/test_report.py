@@ -479,3 +479,27 @@ def test_the_bare_masks_cancel_in_the_sum_and_hide_each_value() -> None:
     np.testing.assert_allclose(decoded, sum(values.values()), atol=3 * 2.0**-20)
     again = B.PairMasks("p1", parties).mask(values["p1"], 6)  # another call: other masks
     assert not np.array_equal(again, masked["p1"])
+
+
+def test_every_benchmark_result_names_the_cpu_it_ran_on(monkeypatch, tmp_path) -> None:
+    """A VM can move between hosts from one run to the next (this one did: Intel Xeon, then AMD
+    EPYC), so every result says which CPU it measured; none where the system does not say."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(rows=10, epochs=1, repeats=1, batch=4)
+    result = F.result_of("x.py", ["--rows", "10"], args, 0.0, table=[])
+    assert result["machine"]["cpu_model"] == F.cpu_model()
+    assert R.machine().get("cpu_model") == F.cpu_model()
+    if Path("/proc/cpuinfo").exists():
+        assert F.cpu_model()
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: x\n")
+    real = Path.read_text
+    monkeypatch.setattr(
+        Path,
+        "read_text",
+        lambda self, *a, **k: real(cpuinfo if str(self) == "/proc/cpuinfo" else self, *a, **k),
+    )
+    assert F.cpu_model() == "Test CPU 9000"
+    cpuinfo.write_text("processor\t: 0\n")
+    assert F.cpu_model() is None
