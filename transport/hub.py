@@ -264,7 +264,8 @@ class Hub(Endpoint):
         modify them until the peer has received them.
         """
         sock, rid = self._route_to(to)
-        self._send_frames(to, sock, rid, env.kind, pack(self._stamp(env), limits=self.limits))
+        frames = pack(self._stamp(env), limits=self.limits)
+        self._send_frames(to, sock, rid, env.kind, frames, frames_nbytes(frames))
         self._heartbeat_if_due()
 
     def send_each(self, names: Sequence[str], env: Envelope) -> dict[str, TransportError]:
@@ -273,11 +274,12 @@ class Hub(Endpoint):
         send to, each with the ``TransportError`` that `send` would have raised; every other
         role got the message. Refuses what `send` refuses for the envelope itself."""
         frames = pack(self._stamp(env), limits=self.limits)
+        nbytes = frames_nbytes(frames)
         failed: dict[str, TransportError] = {}
         for to in names:
             try:
                 sock, rid = self._route_to(to)
-                self._send_frames(to, sock, rid, env.kind, frames)
+                self._send_frames(to, sock, rid, env.kind, frames, nbytes)
             except TransportError as exc:
                 failed[to] = exc
         self._heartbeat_if_due()  # after: a beat between them would outnumber this seq
@@ -294,7 +296,7 @@ class Hub(Endpoint):
         return sock, rid
 
     def _send_frames(
-        self, to: str, sock: zmq.Socket, rid: bytes, kind: str, frames: list[Any]
+        self, to: str, sock: zmq.Socket, rid: bytes, kind: str, frames: list[Any], nbytes: int
     ) -> None:
         try:
             send_frames(sock, [rid, *frames])
@@ -310,7 +312,7 @@ class Hub(Endpoint):
                     "restart it and rerun with --resume"
                 ) from exc
             raise
-        self.bytes_sent += frames_nbytes(frames)
+        self.bytes_sent += nbytes
 
     @property
     def context(self) -> zmq.Context:

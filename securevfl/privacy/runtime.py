@@ -593,7 +593,7 @@ class PrivateTraining:
     def step(self, *, epoch: int | None = None) -> None:
         """Charge a DP-SGD step (raises `BudgetExceeded` before stepping), then step."""
         self.charge(epoch=epoch)
-        self.optimizer.step()
+        self.apply()
 
     def charge(self, *, epoch: int | None = None) -> None:
         """The ledger half of `step`: charge one DP-SGD step (raises `BudgetExceeded`); the
