@@ -338,20 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["role"] and len(argv) == 3:
         return _role_main(argv[1], argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=10_000)
-    ap.add_argument("--parties", default="2,4")
-    ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=256)
+    F.size_arguments(ap, parties="2,4", epochs=10, repeats=3, work="/tmp/securevfl-bare")
     ap.add_argument("--securevfl", action="store_true", help="also securevfl's federation")
     ap.add_argument(
         "--aggregations", default="plain", help="plain and/or mask (arms bare-mask, securevfl-mask)"
     )
-    ap.add_argument(
-        "--data", type=Path, default=None, help="Credit's CSV instead of synthetic rows (--rows)"
-    )
-    ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-bare"))
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     ks = [int(k) for k in args.parties.split(",")]
     started = time.time()

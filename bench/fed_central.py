@@ -76,17 +76,8 @@ def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=10_000)
-    ap.add_argument("--parties", default="2,4,8")
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=256)
+    F.size_arguments(ap, parties="2,4,8", epochs=3, repeats=2, work="/tmp/securevfl-fed-central")
     ap.add_argument("--arm", action="append", default=[])
-    ap.add_argument(
-        "--data", type=Path, default=None, help="Credit's CSV instead of synthetic rows (--rows)"
-    )
-    ap.add_argument("--work", type=Path, default=Path("/tmp/securevfl-fed-central"))
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     arms = [
         parse_arm(a)

@@ -395,6 +395,21 @@ def cpu_model() -> str | None:
     return None
 
 
+def size_arguments(ap: Any, *, parties: str, epochs: int, repeats: int, work: str) -> None:
+    """The options a federation benchmark shares (and `result_of` records): --rows, --parties,
+    --epochs, --repeats, --batch, --data, --work, --out."""
+    ap.add_argument("--rows", type=int, default=10_000)
+    ap.add_argument("--parties", default=parties)
+    ap.add_argument("--epochs", type=int, default=epochs)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument(
+        "--data", type=Path, default=None, help="Credit's CSV instead of synthetic rows (--rows)"
+    )
+    ap.add_argument("--work", type=Path, default=Path(work))
+    ap.add_argument("--out", type=Path, default=None)
+
+
 def result_of(
     script: str, argv: Sequence[str], args: Any, started: float, **fields: Any
 ) -> dict[str, Any]:
