@@ -121,6 +121,9 @@ def plan(quick: bool) -> dict[str, Any]:
                 ["mask", None, 8],
                 ["mask", 10.0, 8],
                 ["mask", 50.0, 8],
+                # the same with the aggregator in the active party's process (1 RTT a batch)
+                ["mask", None, 8, {"aggregator_in_active": True}],
+                ["mask", 10.0, 8, {"aggregator_in_active": True}],
             ],
             "mbit": 100.0,
         },
@@ -356,7 +359,9 @@ class Bench:
         for rep in range(p["repeats"]):
             for mode, rtt, *rest in p["points"]:
                 depth = int(rest[0]) if rest else 0
+                colocated = bool(len(rest) > 1 and rest[1].get("aggregator_in_active"))
                 tag = _net(rtt) + (f" depth {depth}" if depth else "")
+                tag += " aggregator in active" if colocated else ""
                 label = f"credit {mode} {tag} (repeat {rep + 1}/{p['repeats']})"
                 if self.over_budget(not_run, label):
                     self.advance()
@@ -365,10 +370,11 @@ class Bench:
                 raw = F.config_raw(ds, aggregation=mode, epochs=p["epochs"], batch_size=256)
                 if depth:
                     raw["network"]["pipeline_depth"] = depth
+                raw["network"]["aggregator_in_active"] = colocated
                 r = F.run_federation(
                     prep,
                     raw,
-                    self.work / "credit" / f"r{rep}-{mode}-{_net(rtt)}-d{depth}",
+                    self.work / "credit" / f"r{rep}-{mode}-{_net(rtt)}-d{depth}-c{int(colocated)}",
                     rtt_ms=rtt,
                     mbit=p["mbit"],
                 )
@@ -752,8 +758,8 @@ def _pool(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def summarise_credit(runs: Sequence[Mapping[str, Any]], *, mbit: float) -> dict[str, Any]:
-    piped = [r for r in runs if r.get("pipeline_depth")]
-    runs = [r for r in runs if not r.get("pipeline_depth")]
+    piped = [r for r in runs if _variant(r)]
+    runs = [r for r in runs if not _variant(r)]
     keys = list(dict.fromkeys((r["aggregation"], r["rtt_ms"]) for r in runs))
     points = {k: _pool([r for r in runs if (r["aggregation"], r["rtt_ms"]) == k]) for k in keys}
     table = [{"key": f"{m}@{_net(rtt)}", **points[m, rtt]} for m, rtt in keys]
@@ -789,6 +795,12 @@ def summarise_credit(runs: Sequence[Mapping[str, Any]], *, mbit: float) -> dict[
     }
 
 
+def _variant(run: Mapping[str, Any]) -> bool:
+    """A run of the credit suite's variants: pipelined, or the aggregator in the active
+    party's process (the overhead and WAN tables are the default protocol's)."""
+    return bool(run.get("pipeline_depth") or run.get("aggregator_in_active"))
+
+
 def _epoch_ratio(point: Mapping[str, Any], other: Mapping[str, Any]) -> float | None:
     if not other.get("ok"):
         return None
@@ -798,21 +810,29 @@ def _epoch_ratio(point: Mapping[str, Any], other: Mapping[str, Any]) -> float | 
 def summarise_pipelined(
     piped: Sequence[Mapping[str, Any]], unpiped: Mapping[tuple[str, Any], Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Pipelined points ([network] pipeline_depth = d): each against the unpipelined loopback
-    epoch of the same mode (the issue's "its loopback time"), its own depth on loopback, and
-    the unpipelined run on the same network; the test ROC-AUC shows what staleness costs."""
-    keys = list(dict.fromkeys((r["aggregation"], r["rtt_ms"], r["pipeline_depth"]) for r in piped))
-    points = {
-        k: _pool([r for r in piped if (r["aggregation"], r["rtt_ms"], r["pipeline_depth"]) == k])
-        for k in keys
-    }
+    """Pipelined points ([network] pipeline_depth = d, the aggregator in its own process or in
+    the active party's): each against the unpipelined loopback epoch of the same mode with
+    the aggregator in its own process (the issue's "its loopback time"), the same
+    configuration on loopback, and the unpipelined run on the same network; the test ROC-AUC
+    shows what staleness costs."""
+
+    def key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (
+            r["aggregation"],
+            r["rtt_ms"],
+            r.get("pipeline_depth") or 0,
+            bool(r.get("aggregator_in_active")),
+        )
+
+    keys = list(dict.fromkeys(key(r) for r in piped))
+    points = {k: _pool([r for r in piped if key(r) == k]) for k in keys}
     out = []
-    for (m, rtt, d), pt in points.items():
+    for (m, rtt, d, colocated), pt in points.items():
         if not pt.get("ok"):
             continue
         base = unpiped.get((m, None), {})
         same_net = unpiped.get((m, rtt), {})
-        own_loop = points.get((m, None, d), {})
+        own_loop = points.get((m, None, d, colocated), {})
 
         ratio = partial(_epoch_ratio, pt)
 
@@ -821,6 +841,7 @@ def summarise_pipelined(
                 "aggregation": m,
                 "rtt_ms": rtt,
                 "depth": d,
+                "aggregator_in_active": colocated,
                 "median_epoch_seconds": pt["median_epoch_seconds"],
                 "epochs_pooled": len(pt["epoch_seconds"]),
                 "ratio_to_loopback_depth0": ratio(base),
@@ -1114,6 +1135,28 @@ def plot_credit(credit: Mapping[str, Any], out: Path) -> list[str]:
                 xs, model, "--", color=COLORS[m], alpha=0.6, label=f"{m}: 4 RTT/batch model"
             )
             axes[1].plot(xs, [y / ys[0] for y in ys], "o-", color=COLORS[m], label=m)
+        # pipelined configurations, each against itself on loopback
+        piped = credit.get("pipelined") or []
+        configs = dict.fromkeys((q["depth"], q["aggregator_in_active"]) for q in piped)
+        for i, (d, colocated) in enumerate(configs):
+            style = ("s--", "^-.")[i % 2]
+            rows = [
+                q
+                for q in piped
+                if (q["depth"], q["aggregator_in_active"]) == (d, colocated)
+                and q["aggregation"] == "mask"
+                and q["rtt_ms"]
+                and q.get("ratio_to_loopback_same_depth")
+            ]
+            if rows:
+                axes[1].plot(
+                    [0.0] + [q["rtt_ms"] for q in rows],
+                    [1.0] + [q["ratio_to_loopback_same_depth"] for q in rows],
+                    style,
+                    color=COLORS["mask"],
+                    alpha=0.7,
+                    label=f"mask, depth {d}" + (", aggregator in active" if colocated else ""),
+                )
         axes[0].set_xlabel("added RTT (ms), 100 Mbit/s")
         axes[0].set_ylabel("median epoch time (s)")
         axes[0].legend(fontsize=8)
@@ -1364,6 +1407,7 @@ def _render_pipelined(piped: Sequence[Mapping[str, Any]]) -> list[str]:
             [
                 "aggregation @ network",
                 "depth",
+                "aggregator",
                 "median epoch (s)",
                 "epochs pooled",
                 "× depth 0 on loopback",
@@ -1376,6 +1420,7 @@ def _render_pipelined(piped: Sequence[Mapping[str, Any]]) -> list[str]:
                 [
                     f"{p['aggregation']}@{_net(p['rtt_ms'])}",
                     p["depth"],
+                    _where_aggregator(p),
                     p["median_epoch_seconds"],
                     p["epochs_pooled"],
                     p["ratio_to_loopback_depth0"],
@@ -1397,14 +1442,24 @@ def _render_pipelined(piped: Sequence[Mapping[str, Any]]) -> list[str]:
             held = worst <= FLOOR_WAN_10MS
             lines += [
                 f"**Floor: mask epoch at 10 ms RTT ≤ {FLOOR_WAN_10MS}× loopback, pipelined at "
-                f"depth {p['depth']}: {'holds' if held else 'does not hold'}** "
+                f"depth {p['depth']}, aggregator {_where_aggregator(p)}: "
+                f"{'holds' if held else 'does not hold'}** "
                 f"({_fmt(p['ratio_to_loopback_depth0'], 2)}× the unpipelined loopback epoch, "
-                f"{_fmt(p['ratio_to_loopback_same_depth'], 2)}× its own depth on loopback). The "
+                f"{_fmt(p['ratio_to_loopback_same_depth'], 2)}× the same configuration on "
+                "loopback). The "
                 f"price is staleness: test ROC-AUC {_fmt(p['roc_auc'], 3)} against "
                 f"{_fmt(p['roc_auc_depth0'], 3)} unpipelined after the same epochs.",
                 "",
             ]
     return lines
+
+
+def _where_aggregator(point: Mapping[str, Any]) -> str:
+    return (
+        "in the active party's process"
+        if point.get("aggregator_in_active")
+        else "in its own process"
+    )
 
 
 def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
@@ -1581,7 +1636,8 @@ def _render_credit(c: Mapping[str, Any] | None, out: Path) -> list[str]:
                 "aggregator_in_active = true`, plain and mask: an aggregator thread with its own "
                 "hub, the active party on an in-process socket) removes the hop between the "
                 "active party and the aggregator: two of the four network crossings on a "
-                "round's critical path. This WAN suite runs the aggregator as its own process.",
+                "round's critical path. The table above runs the aggregator as its own process; "
+                "the pipelined runs below name where it ran.",
                 "",
             ]
         lines += _render_pipelined(c.get("pipelined") or [])

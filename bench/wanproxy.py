@@ -14,7 +14,7 @@ per hop, and a burst is not delayed more than its serialisation says. The proxy 
 bytes, so it is transparent to CurveZMQ (the handshake and every frame pass unchanged).
 
     python bench/wanproxy.py --listen 127.0.0.1:6000 --target 127.0.0.1:5555 \\
-        --rtt-ms 10 --mbit 100 [--max-seconds 3600]
+        --rtt-ms 10 --mbit 100 [--max-seconds 3600] [--connect-wait 60]
 
 In Python: `with WanProxy(target=("127.0.0.1", 5555), rtt_ms=10, mbit=100) as proxy:` then
 connect to `proxy.port`; the proxy runs in a daemon thread and stops on exit of the block.
@@ -76,10 +76,15 @@ class WanProxy:
         rtt_ms: float,
         mbit: float = 0.0,
         listen: tuple[str, int] = ("127.0.0.1", 0),
+        connect_wait_s: float = 60.0,
     ) -> None:
-        if rtt_ms < 0 or mbit < 0:
-            raise ValueError(f"rtt_ms and mbit must be >= 0, got {rtt_ms} and {mbit}")
+        if rtt_ms < 0 or mbit < 0 or connect_wait_s < 0:
+            raise ValueError(
+                f"rtt_ms, mbit and connect_wait_s must be >= 0, got {rtt_ms}, {mbit} and "
+                f"{connect_wait_s}"
+            )
         self.target = target
+        self.connect_wait_s = float(connect_wait_s)
         self.rtt_ms = float(rtt_ms)
         self.mbit = float(mbit)
         self.listen = listen
@@ -160,11 +165,11 @@ class WanProxy:
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:
         self.stats.connections += 1
-        try:
-            target_reader, target_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        upstream = await self._connect_upstream()
+        if upstream is None:
             client_writer.close()
             return
+        target_reader, target_writer = upstream
         delay = self.rtt_ms / 2000.0
         up, down = Link(delay, self.mbit), Link(delay, self.mbit)
         self.stats.links += [up, down]
@@ -179,6 +184,25 @@ class WanProxy:
             for w in (client_writer, target_writer):
                 with contextlib.suppress(Exception):
                     w.close()
+
+    async def _connect_upstream(
+        self,
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The connection to the target. A target that is not listening yet (a role whose
+        process still starts) is retried for `connect_wait_s`, the client's bytes held
+        meanwhile, as a line to a host that is not up yet would: closing the client at once
+        would look to a CurveZMQ client like a failed handshake (a wrong server key), not like
+        a hub that is not there yet. None once the wait is over."""
+        deadline = time.monotonic() + self.connect_wait_s
+        pause = 0.01
+        while True:
+            try:
+                return await asyncio.open_connection(*self.target)
+            except OSError:
+                if time.monotonic() + pause > deadline:
+                    return None
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.25)
 
     # --- life cycle
 
@@ -261,12 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-seconds", type=float, default=3600.0, help="stop by itself after this long"
     )
+    ap.add_argument(
+        "--connect-wait",
+        type=float,
+        default=60.0,
+        help="hold a client this many seconds while the target does not listen yet",
+    )
     args = ap.parse_args(argv)
     proxy = WanProxy(
         target=_host_port(args.target),
         rtt_ms=args.rtt_ms,
         mbit=args.mbit,
         listen=_host_port(args.listen),
+        connect_wait_s=args.connect_wait,
     ).start()
     print(f"listening on {proxy.listen[0]}:{proxy.port} -> {args.target}", flush=True)
     try:

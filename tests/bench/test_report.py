@@ -145,8 +145,49 @@ def test_pipelined_points_are_judged_against_the_unpipelined_loopback_epoch() ->
     assert (ten["roc_auc"], ten["roc_auc_depth0"]) == (0.75, 0.77)
     md = "\n".join(R._render_pipelined(s["pipelined"]))
     # the worse of the two ratios decides: 1.67x its own depth on loopback
-    assert "pipelined at depth 8: does not hold** (1.25× the unpipelined" in md
+    assert (
+        "pipelined at depth 8, aggregator in its own process: does not hold** (1.25× the "
+        "unpipelined" in md
+    )
     assert "test ROC-AUC 0.750 against 0.770" in md
+
+
+def test_runs_with_the_aggregator_in_the_active_party_are_their_own_pipelined_rows() -> None:
+    """[network] aggregator_in_active runs are judged against the same configuration on
+    loopback, never pooled with the separate aggregator's runs of the same depth, and stay
+    out of the overhead and WAN tables even unpipelined."""
+    colocated = {"aggregator_in_active": True, "test": {"roc_auc": 0.75}}
+    runs = [
+        _run("plain", None, 1.0),
+        _run("mask", None, 1.2),
+        _run("mask", 10.0, 6.0),
+        {**_run("mask", None, 0.9), "pipeline_depth": 8},
+        {**_run("mask", 10.0, 1.5), "pipeline_depth": 8},
+        {**_run("mask", None, 1.0), "pipeline_depth": 8, **colocated},
+        {**_run("mask", 10.0, 1.1), "pipeline_depth": 8, **colocated},
+        {**_run("mask", None, 1.1), **colocated},
+    ]
+    s = R.summarise_credit(runs, mbit=100.0)
+    assert s["overhead"]["mask"]["epoch_ratio"] == pytest.approx(1.2)
+    assert [w["rtt_ms"] for w in s["wan"]] == [10.0]
+    rows = {(p["rtt_ms"], p["depth"], p["aggregator_in_active"]): p for p in s["pipelined"]}
+    assert set(rows) == {
+        (None, 8, False),
+        (10.0, 8, False),
+        (None, 8, True),
+        (10.0, 8, True),
+        (None, 0, True),
+    }
+    ten = rows[10.0, 8, True]
+    assert ten["ratio_to_loopback_same_depth"] == pytest.approx(1.1 / 1.0)
+    assert ten["ratio_to_loopback_depth0"] == pytest.approx(1.1 / 1.2)
+    assert rows[10.0, 8, False]["ratio_to_loopback_same_depth"] == pytest.approx(1.5 / 0.9)
+    md = "\n".join(R._render_pipelined(s["pipelined"]))
+    assert (
+        "pipelined at depth 8, aggregator in the active party's process: holds** (0.92× the "
+        "unpipelined loopback epoch, 1.10× the same configuration on loopback)" in md
+    )
+    assert "pipelined at depth 8, aggregator in its own process: does not hold**" in md
 
 
 def test_federated_vs_centralised_floor_is_judged_on_both_bounds() -> None:
@@ -171,6 +212,9 @@ def test_report_renders_tables_plots_and_the_floors(tmp_path: Path) -> None:
         _run("ckks", None, 3.0),
         _run("plain", 10.0, 5.0),
         _run("mask", 10.0, 1.4),  # within 1.5x of loopback
+        # pipelined, the aggregator in the active party's process: plotted against itself
+        {**_run("mask", None, 1.0), "pipeline_depth": 8, "aggregator_in_active": True},
+        {**_run("mask", 10.0, 1.1), "pipeline_depth": 8, "aggregator_in_active": True},
     ]
     scaling = {
         "parties": [

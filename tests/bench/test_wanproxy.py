@@ -104,3 +104,38 @@ def test_proxy_caps_the_line_rate() -> None:
         srv.close()
     assert echoed == payload
     assert elapsed >= 0.4
+
+
+def test_a_client_that_comes_before_the_target_is_held_until_it_listens() -> None:
+    # a role started before the hub binds: the proxy holds it (as a line to a host that is not
+    # up yet would) instead of closing it, which CurveZMQ would take for a failed handshake
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a free port nobody listens on yet
+    with WanProxy(target=("127.0.0.1", port), rtt_ms=0.0, connect_wait_s=10.0) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c:
+            c.sendall(b"early")
+            time.sleep(0.3)  # the proxy retries meanwhile
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", port))
+            srv.listen()
+            srv.settimeout(5.0)  # a proxy that gave up at once never connects: accept times out
+            conn, _ = srv.accept()
+            with conn, srv:
+                assert _recv_exactly(conn, 5) == b"early"
+                conn.sendall(b"late")
+                assert _recv_exactly(c, 4) == b"late"
+
+
+def test_a_target_that_never_listens_closes_the_client_after_the_wait() -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with WanProxy(target=("127.0.0.1", port), rtt_ms=0.0, connect_wait_s=0.2) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as c:
+            started = time.perf_counter()
+            assert c.recv(1) == b""  # closed, not hung
+            assert time.perf_counter() - started < 5.0
