@@ -1443,6 +1443,21 @@ class CkksPublic:
             return self._zero_source.take()
         return None
 
+    def keep_source_zeros(self, count: int) -> int:
+        """Move up to `count` encryptions of zero that the attached source has ready into the
+        prepared ones (each read from the source once, so still used once); returns how many.
+        Never waits: a source with none ready gives none."""
+        kept = 0
+        while self._zero_source is not None and kept < count:
+            if len(self._zeros) >= MAX_PREPARED_ZEROS:
+                break
+            ct = self._zero_source.take()
+            if ct is None:
+                break
+            self._zeros.append(ct)
+            kept += 1
+        return kept
+
     @property
     def prepared_zeros(self) -> int:
         """How many encryptions of zero are ready for :meth:`encrypt`."""

@@ -47,6 +47,9 @@ class SumSession:
     mask_keypair: MaskingKeyPair | None = None
     mask_publics: Mapping[str, bytes] = field(default_factory=dict)
     ckks_public_context: bytes | None = None
+    # how a CKKS party makes its encryptions of zero ahead (ZERO_MODES); None: the default.
+    # $SECUREVFL_CKKS_ZEROS overrides it.
+    ckks_zeros: str | None = None
     # the key holder's release of decrypted sums (crypto.ckks.DecryptionRelease)
     ckks_release: Any = None
 
@@ -305,25 +308,35 @@ class MaskActive(ActiveSumStage):
 
 
 #: How a CKKS party makes the encryptions of zero its contributions add their values to
-#: ($SECUREVFL_CKKS_ZEROS; `bench/ckks_overhead.py --ablation` compares them):
-#: ``idle`` (default): in the party's own thread once its contribution is sent and it waits
-#: for the next call (`CkksParty.idle`, called by the party's loop), `CKKS_IDLE_DELAY_S` after
-#: the send (none by default), as many as the calls since the last wait used.
+#: ($SECUREVFL_CKKS_ZEROS, else the party's `SumSession.ckks_zeros`, else `DEFAULT_ZERO_MODE`;
+#: `bench/ckks_overhead.py --ablation` compares them):
+#: ``helper`` (a party running as its own process, `securevfl party` / `securevfl run`): a
+#: child process at nice 19 under SCHED_IDLE makes them into a pipe (`crypto.ckks_zeros`),
+#: from CPU time the federation leaves idle; each wait of the party (`CkksParty.idle`) takes
+#: what the pipe holds (a non-blocking read and a checked load, ~0.07 ms each) and makes the
+#: rest itself, as ``idle`` does. On a host of its own the helper makes them all; on a busy
+#: one the party's own wait does. Falls back to ``idle`` where the child cannot be started.
+#: ``idle`` (the default in process: in-process federations, where a helper process per party
+#: would cost more than it saves): in the party's own thread once its contribution is sent and
+#: it waits for the next call (`CkksParty.idle`, called by the party's loop),
+#: `CKKS_IDLE_DELAY_S` after the send (none by default), as many as the calls since the last
+#: wait used.
 #: ``thread``: a worker thread woken at the end of each call, which first waits
 #: `CKKS_PREP_DELAY_S` so that the contribution is sent before SEAL takes the GIL.
-#: ``process``: a child process at nice 19 under SCHED_IDLE makes them into a pipe
-#: (`crypto.ckks_zeros`), started by the party's first wait (`CkksParty.idle`), so they come
-#: from CPU time the federation leaves idle and never take the party's GIL; a call takes what
-#: is ready (a non-blocking read and a checked load, ~0.07 ms) and encrypts the rest afresh.
-#: Falls back to ``thread`` where the child cannot be started.
+#: ``process``: the helper process alone, started by the party's first wait; a call takes what
+#: is ready and encrypts the rest afresh. Falls back to ``thread`` where the child cannot be
+#: started.
 #: ``fresh``: none prepared; each chunk is encrypted within the call.
 #: Side by side on a quiet 2-core machine (Credit, 4 parties) ``idle`` with no delay beat
-#: ``thread`` in every repeat, 1.62x plain against 1.72x (see the README's CKKS overhead
-#: section): the zeros are made while the party would only wait, by the thread that waits, so
-#: no other thread contends for the GIL and nothing is woken.
-ZERO_MODES = ("thread", "process", "idle", "fresh")
+#: ``thread`` in every repeat, 1.62x plain against 1.72x, and ``helper`` beat ``idle`` in 6 of
+#: 6 paired repeats, median epoch 0.574 s against 0.612 s (see the README's CKKS overhead
+#: section): the zeros are made while the party would only wait, or by a process that runs
+#: only when a core would otherwise be idle.
+ZERO_MODES = ("thread", "process", "idle", "fresh", "helper")
 ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"
 DEFAULT_ZERO_MODE = "idle"
+#: what a party running as its own process uses (`securevfl.roles.party`)
+PROCESS_ZERO_MODE = "helper"
 
 
 def _zero_mode(default: str = DEFAULT_ZERO_MODE) -> str:
@@ -380,14 +393,14 @@ class CkksParty(PartySumStage):
 
     def __init__(self, s: SumSession, *, zeros: str | None = None) -> None:
         """`zeros`: how encryptions of zero are made ahead (`ZERO_MODES`); None reads
-        $SECUREVFL_CKKS_ZEROS (default ``idle``)."""
+        $SECUREVFL_CKKS_ZEROS, else the session's ``ckks_zeros``, else ``idle``."""
         super().__init__(s)
         from crypto.ckks import CkksPublic
 
         if s.ckks_public_context is None:
             raise ValueError(f"{s.name}: ckks aggregation needs the key holder's public context")
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
-        self.zeros = _zero_mode() if zeros is None else zeros
+        self.zeros = _zero_mode(s.ckks_zeros or DEFAULT_ZERO_MODE) if zeros is None else zeros
         if self.zeros not in ZERO_MODES:
             raise ValueError(f"zeros={self.zeros!r}: choose one of {', '.join(ZERO_MODES)}")
         # process mode: the crypto.ckks_zeros.ZeroSource, started by the first `idle` (only a
@@ -438,10 +451,19 @@ class CkksParty(PartySumStage):
         try:
             self.source = ZeroSource(self.public, self.s.ckks_public_context)
         except CkksError:
-            self.zeros = "thread"  # no helper process here: a worker thread makes them
+            # no helper process here: the party's own wait (helper) or a worker thread makes them
+            self.zeros = "idle" if self.zeros == "helper" else "thread"
             return
         self.public.attach_zero_source(self.source)
         weakref.finalize(self, self.source.close)
+
+    def stats(self) -> dict[str, Any]:
+        """For the party's run statistics: how its encryptions of zero were made, and how many
+        came from the helper process."""
+        return {
+            "ckks_zeros": self.zeros,
+            "ckks_zeros_from_helper": 0 if self.source is None else self.source.taken,
+        }
 
     def close(self) -> None:
         """Stop this party's zero helpers: the worker thread of ``thread`` mode, once its
@@ -458,22 +480,25 @@ class CkksParty(PartySumStage):
     def idle(self) -> None:
         """The party's contribution is sent and it waits for the next call (the party's loop
         calls this after each send). In ``process`` mode the first wait starts the helper
-        process. In ``idle`` mode, make here, in the caller's thread and
+        process (``helper`` too). In ``idle`` mode, make here, in the caller's thread and
         `CKKS_IDLE_DELAY_S` after the send, the encryptions of zero that bring the ready ones
         up to what the calls between two waits used (the most over the last 4 waits, at most
         `_MAX_IDLE_ZEROS`), so the next call of the same shape only encodes, adds and
-        serialises: no other thread is woken, and the send has already gone. Each zero is used
+        serialises: no other thread is woken, and the send has already gone. In ``helper``
+        mode take them from the helper's pipe first and make only the rest. Each zero is used
         once (`CkksPublic.encrypt`)."""
         from crypto.ckks import MAX_PREPARED_ZEROS
 
         self._recent = [*self._recent[-3:], self._used]
         self._used = 0
-        if self.zeros == "process" and self.source is None:
-            self._start_source()  # from now on a helper makes them; falls back to thread
-        if self.zeros != "idle":
+        if self.zeros in ("process", "helper") and self.source is None:
+            self._start_source()  # from now on a helper makes them (falls back without one)
+        if self.zeros not in ("idle", "helper"):
             return
         # rounds alternate between calls of different shapes: cover the largest of the last 4
         want = min(max(self._recent), _MAX_IDLE_ZEROS, MAX_PREPARED_ZEROS)
+        if self.source is not None:
+            self.public.keep_source_zeros(want - self.public.ready_zeros)
         missing = want - self.public.ready_zeros
         if missing > 0:
             if CKKS_IDLE_DELAY_S > 0:

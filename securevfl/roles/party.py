@@ -16,6 +16,7 @@ from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.rounds import PartyRound, first_round
+from securevfl.secure_sum import PROCESS_ZERO_MODE
 from transport import Envelope
 from transport.errors import quote
 
@@ -61,6 +62,11 @@ class PassiveParty:
             session=session,
             mask_keypair=self.conn.secrets.mask,
             mask_publics=self.conn.public.mask,
+            # a party in a process of its own gets a low-priority helper for its CKKS zeros;
+            # threads of one process (transport inproc) make them in their own waits
+            ckks_zeros=None
+            if self.conn.peer.endpoint.startswith("inproc://")
+            else PROCESS_ZERO_MODE,
         )
         rounds.device_time = self.device_time
         rounds.guard.check_run()  # this party's own policy accepts the run its config describes
@@ -72,7 +78,11 @@ class PassiveParty:
             if env.kind == P.BYE:
                 if rounds.received is not None:
                     rounds.received.save()
-                stats = {**self.conn.stats(), "guard_seconds": round(rounds.guard.seconds, 6)}
+                stats = {
+                    **self.conn.stats(),
+                    "guard_seconds": round(rounds.guard.seconds, 6),
+                    **getattr(rounds.stage, "stats", dict)(),
+                }
                 self.conn.send(
                     Envelope(
                         kind=P.STATS,

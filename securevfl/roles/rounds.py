@@ -266,12 +266,16 @@ class PartyRound:
         session: bytes,
         mask_keypair: Any,
         mask_publics: Mapping[str, bytes],
+        ckks_zeros: str | None = None,
     ) -> None:
+        """`ckks_zeros`: how a CKKS sum stage makes its encryptions of zero ahead
+        (`securevfl.secure_sum.ZERO_MODES`); None: the in-process default."""
         from securevfl.roles.guard import CallGuard
 
         self.cfg = cfg
         self.name = name
         self.method = method
+        self.ckks_zeros = ckks_zeros
         # every call is checked before anything is computed or released
         self.guard = CallGuard(
             cfg=cfg,
@@ -426,6 +430,7 @@ class PartyRound:
                 mask_keypair=self.mask_keypair,
                 mask_publics=self.mask_publics,
                 ckks_public_context=None if ckks is None else ckks.tobytes(),
+                ckks_zeros=self.ckks_zeros,
             )
         )
         if saved is not None:

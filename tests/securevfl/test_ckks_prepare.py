@@ -16,7 +16,7 @@ from securevfl import secure_sum
 from securevfl.secure_sum import CkksActive, CkksAggregator, CkksParty, SumSession
 
 
-def _roles(zeros: str = "idle"):
+def _roles(zeros: str | None = "idle"):
     params = choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
     holder = CkksKeyHolder(params=params)
     ctx = holder.public_context_bytes()
@@ -123,7 +123,7 @@ def test_idle_keeps_at_most_the_cap(monkeypatch):
 def test_the_mode_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv("SECUREVFL_CKKS_ZEROS", raising=False)
     assert secure_sum._zero_mode() == "idle"
-    for mode in ("thread", "process", "idle", "fresh"):
+    for mode in ("thread", "process", "idle", "fresh", "helper"):
         monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", mode)
         assert secure_sum._zero_mode() == mode
     monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "eager")
@@ -263,3 +263,131 @@ def test_a_contribution_a_sum_could_not_decrypt_is_refused_by_its_party():
     with pytest.raises(ValueError, match=r"'h' is 2050, beyond 2048.*\[secure\] ckks\.magnitude"):
         parties["a"].protect(np.array([1.0, -limit * 1.001]), round=1, group=["a", "b"], key="h")
     assert parties["a"]._used == 1  # the refused call encrypted nothing
+
+
+def test_the_session_names_the_default_mode_and_the_environment_overrides_it(monkeypatch):
+    """A party in a process of its own asks for ``helper`` through its SumSession; in-process
+    parties ask for nothing and get ``idle``; $SECUREVFL_CKKS_ZEROS wins over both."""
+    ctx = CkksKeyHolder(
+        params=choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
+    ).public_context_bytes()
+
+    def session(zeros):
+        return SumSession(name="a", session=b"s" * 16, ckks_public_context=ctx, ckks_zeros=zeros)
+
+    monkeypatch.delenv("SECUREVFL_CKKS_ZEROS", raising=False)
+    assert CkksParty(session(None)).zeros == "idle"
+    assert CkksParty(session(secure_sum.PROCESS_ZERO_MODE)).zeros == "helper"
+    monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "fresh")
+    assert CkksParty(session("helper")).zeros == "fresh"
+
+
+def _normal_priority_helper(monkeypatch):
+    import functools
+
+    import crypto.ckks_zeros
+
+    # at normal priority: the test does not wait for idle CPU (the priority has its own test)
+    helper = functools.partial(crypto.ckks_zeros.ZeroSource, nice=0, idle_policy=False)
+    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", helper)
+
+
+def test_helper_mode_takes_the_helpers_zeros_first_makes_the_rest_and_uses_each_once(
+    monkeypatch,
+):
+    """``helper``: each wait moves what the helper's pipe holds into the ready zeros and makes
+    only the rest itself; over rounds every chunk's c1 is new (no zero used twice, whichever
+    made it), sums stay exact, and the party's statistics count the helper's zeros."""
+    _normal_priority_helper(monkeypatch)
+    parties, agg, active = _roles("helper")
+    party = parties["a"]
+    public = party.public
+    slots = public.slots
+    made_here = 0
+    zero = public._codec.zero
+
+    def counting_zero(encryptor):
+        nonlocal made_here
+        made_here += 1
+        return zero(encryptor)
+
+    public._codec.zero = counting_zero
+    try:
+        assert party.source is None  # started by the first wait
+        party.idle()
+        assert party.source is not None and party.source.alive
+        rng = np.random.default_rng(2)
+        deadline = time.monotonic() + 120
+        rnd = 0
+        while party.source.taken < 4 and time.monotonic() < deadline:
+            xs = {n: rng.normal(size=(2 * slots,)) for n in parties}  # two chunks a call
+            before = public.ready_zeros
+            assert before in (0, 2)
+            accepted = {
+                n: agg.accept(
+                    parties[n].protect(xs[n], round=rnd, group=["a", "b"], key="h"),
+                    key="h",
+                    sender=n,
+                )
+                for n in ("a", "b")
+            }
+            combined = agg.combine_accepted(accepted, group=["a", "b"], key="h")
+            got = active.reveal(combined, group=["a", "b"], key="h", shape=(2 * slots,))
+            np.testing.assert_allclose(got, xs["a"] + xs["b"], atol=2e-3)
+            taken, made = party.source.taken, made_here
+            for p in parties.values():
+                p.idle()
+            # the wait topped the ready zeros up to the two a call uses: the helper's first
+            assert public.ready_zeros == 2
+            assert (party.source.taken - taken) + (made_here - made) == 2
+            rnd += 1
+            time.sleep(0.05)
+        assert party.source.taken >= 4  # calls used the helper's zeros
+        stats = party.stats()
+        assert stats == {"ckks_zeros": "helper", "ckks_zeros_from_helper": party.source.taken}
+    finally:
+        for p in parties.values():
+            p.close()
+    assert not party.source.alive
+
+
+def test_every_chunk_in_helper_mode_carries_a_new_zero(monkeypatch):
+    """Whether a chunk's zero came from the helper's pipe or from the party's own wait, no c1
+    is sent twice (the same values every call, so a reused zero would repeat its c1)."""
+    _normal_priority_helper(monkeypatch)
+    parties, _, _ = _roles("helper")
+    party = parties["a"]
+    public = party.public
+    slots = public.slots
+    x = np.linspace(-3.0, 3.0, 2 * slots + 7)  # three chunks a call
+    sent: list[bytes] = []
+    try:
+        party.idle()
+        deadline = time.monotonic() + 120
+        rnd = 0
+        while (party.source.taken < 3 or rnd < 6) and time.monotonic() < deadline:
+            arrays = party.protect(x, round=rnd, group=["a", "b"], key="h")
+            sent += [_c1(public, arrays[f"h/{i}"].tobytes()) for i in range(3)]
+            party.idle()
+            rnd += 1
+            time.sleep(0.05)
+        assert party.source.taken >= 3
+        assert len(set(sent)) == len(sent) == 3 * rnd
+    finally:
+        party.close()
+
+
+def test_helper_mode_falls_back_to_the_partys_own_wait_without_a_helper(monkeypatch):
+    import crypto.ckks_zeros
+
+    def refuse(*args, **kwargs):
+        raise crypto.ckks_zeros.CkksError("no helper here")
+
+    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", refuse)
+    parties, _, _ = _roles("helper")
+    party = parties["a"]
+    party.protect(np.ones(5), round=0, group=["a", "b"], key="h")
+    party.idle()
+    assert party.zeros == "idle" and party.source is None
+    assert party.public.ready_zeros == 1  # made by the wait itself
+    assert party.stats() == {"ckks_zeros": "idle", "ckks_zeros_from_helper": 0}

@@ -52,6 +52,23 @@ def test_plain_and_secure_give_the_same_metrics(demo_runs, secure):
         assert abs(plain[key] - other[key]) <= 0.005, (key, plain[key], other[key])
 
 
+def test_ckks_parties_in_processes_of_their_own_make_zeros_with_a_helper(demo_runs):
+    """A party that runs as its own process gets a low-priority helper process for its CKKS
+    encryptions of zero (`SECUREVFL_CKKS_ZEROS` unset): each party's statistics say so and
+    count the zeros the helper supplied (none is guaranteed on a busy machine: the helper gets
+    only CPU time nothing else wants)."""
+    from securevfl.config import load_config
+
+    metrics, _, d = demo_runs["ckks"]
+    roles = metrics["roles"]
+    (config,) = d.glob("*.toml")
+    parties = load_config(config).party_names
+    assert parties and set(parties) <= set(roles)
+    for p in parties:
+        assert roles[p]["ckks_zeros"] == "helper", roles[p]
+        assert roles[p]["ckks_zeros_from_helper"] >= 0
+
+
 def test_ckks_bytes_show_the_expansion(demo_runs):
     plain = demo_runs["plain"][0]["roles"]
     ckks = demo_runs["ckks"][0]["roles"]
