@@ -59,21 +59,23 @@ class ZeroSource:
 
     def __init__(
         self,
-        public: CkksPublic,
-        context_bytes: bytes,
+        public: CkksPublic | None = None,
+        context_bytes: bytes | None = None,
         *,
         nice: int = ZERO_NICE,
         idle_policy: bool = True,
     ) -> None:
         """Start the helper at `nice` (and under SCHED_IDLE with `idle_policy`, where the
-        system has it); both are set before the helper imports anything."""
-        if public.wire_format != WIRE_RAW:
-            raise CkksError(
-                "a zero source needs the raw wire format, which this SEAL binding cannot write; "
-                "encrypt zeros in process instead."
-            )
-        self._public = public
-        self._record = 4 + public._codec._raw_body_bytes  # a raw chunk: count, body
+        system has it); both are set before the helper imports anything. With `public` and
+        `context_bytes` the helper gets its context now; without, :meth:`attach` gives it later
+        (the helper imports meanwhile, e.g. while a run sets up) and :meth:`take` returns None
+        until then."""
+        if public is not None:
+            _check_raw(public)
+            if context_bytes is None:
+                raise CkksError("a zero helper given a public context needs its bytes too.")
+        self._public: CkksPublic | None = None
+        self._record = 0
         self._buf = bytearray()
         self._taken = 0
         self._lock = threading.Lock()
@@ -96,6 +98,19 @@ class ZeroSource:
         except OSError:
             pass  # the default pipe size: a pool of about one zero
         os.set_blocking(self._fd, False)
+        if public is not None and context_bytes is not None:
+            self.attach(public, context_bytes)
+
+    def attach(self, public: CkksPublic, context_bytes: bytes) -> None:
+        """Give the helper the public context it encrypts under (`context_bytes`, what
+        `public` was loaded from), once. Refuses (:class:`CkksError`) a second context and one
+        that does not write the raw format."""
+        _check_raw(public)
+        with self._lock:
+            if self._public is not None:
+                raise CkksError("this zero helper already has its context; start another one.")
+            self._public = public
+            self._record = 4 + public._codec._raw_body_bytes  # a raw chunk: count, body
         # the helper reads the context once it has imported SEAL: do not wait for that here
         threading.Thread(
             target=_hand_over,
@@ -103,6 +118,11 @@ class ZeroSource:
             name="ckks-zeros-context",
             daemon=True,
         ).start()
+
+    @property
+    def attached(self) -> bool:
+        """Whether the helper has its context (:meth:`attach`)."""
+        return self._public is not None
 
     @property
     def record_bytes(self) -> int:
@@ -124,7 +144,8 @@ class ZeroSource:
         (never blocks). Each is handed out once. Raises :class:`CkksError` if a record fails
         the checks of a received chunk."""
         with self._lock:
-            if self._fd < 0:
+            public = self._public
+            if self._fd < 0 or public is None:
                 return None
             while len(self._buf) < self._record:
                 try:
@@ -141,8 +162,8 @@ class ZeroSource:
                 self._buf += data
             record = bytes(self._buf)
             self._buf.clear()
-        ct, _ = self._public._codec.load(
-            record, expected_len=self._public.slots, what="an encryption of zero from the helper"
+        ct, _ = public._codec.load(
+            record, expected_len=public.slots, what="an encryption of zero from the helper"
         )
         self._taken += 1
         return ct
@@ -166,6 +187,14 @@ class ZeroSource:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def _check_raw(public: CkksPublic) -> None:
+    if public.wire_format != WIRE_RAW:
+        raise CkksError(
+            "a zero source needs the raw wire format, which this SEAL binding cannot write; "
+            "encrypt zeros in process instead."
+        )
 
 
 def _hand_over(stream: Any, data: bytes) -> None:

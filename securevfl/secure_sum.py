@@ -50,6 +50,9 @@ class SumSession:
     # how a CKKS party makes its encryptions of zero ahead (ZERO_MODES); None: the default.
     # $SECUREVFL_CKKS_ZEROS overrides it.
     ckks_zeros: str | None = None
+    # a crypto.ckks_zeros.ZeroSource started before the context was known (`start_zero_helper`),
+    # for the helper and process modes to attach instead of starting one
+    ckks_zero_helper: Any = None
     # the key holder's release of decrypted sums (crypto.ckks.DecryptionRelease)
     ckks_release: Any = None
 
@@ -339,6 +342,22 @@ DEFAULT_ZERO_MODE = "idle"
 PROCESS_ZERO_MODE = "helper"
 
 
+def start_zero_helper(default: str | None) -> Any:
+    """For a party about to set up a CKKS run: the low-priority helper process of the
+    ``helper`` / ``process`` modes, started now without its context, so that it imports while
+    the run sets up (`SumSession.ckks_zero_helper`); None when the mode that `default` and
+    $SECUREVFL_CKKS_ZEROS give uses none, or the helper cannot start. The caller closes it."""
+    if _zero_mode(default or DEFAULT_ZERO_MODE) not in ("helper", "process"):
+        return None
+    from crypto.ckks import CkksError
+    from crypto.ckks_zeros import ZeroSource
+
+    try:
+        return ZeroSource()
+    except CkksError:
+        return None
+
+
 def _zero_mode(default: str = DEFAULT_ZERO_MODE) -> str:
     """$SECUREVFL_CKKS_ZEROS, else `default`; refuses anything but `ZERO_MODES`."""
     text = os.environ.get(ZEROS_ENV, "").strip() or default
@@ -449,7 +468,12 @@ class CkksParty(PartySumStage):
         from crypto.ckks_zeros import ZeroSource
 
         try:
-            self.source = ZeroSource(self.public, self.s.ckks_public_context)
+            helper = self.s.ckks_zero_helper
+            if helper is not None and helper.alive and not helper.attached:
+                helper.attach(self.public, self.s.ckks_public_context)
+                self.source = helper
+            else:
+                self.source = ZeroSource(self.public, self.s.ckks_public_context)
         except CkksError:
             # no helper process here: the party's own wait (helper) or a worker thread makes them
             self.zeros = "idle" if self.zeros == "helper" else "thread"

@@ -16,7 +16,7 @@ from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from securevfl.roles import protocol as P
 from securevfl.roles.connection import RoleConnection
 from securevfl.roles.rounds import PartyRound, first_round
-from securevfl.secure_sum import PROCESS_ZERO_MODE
+from securevfl.secure_sum import PROCESS_ZERO_MODE, start_zero_helper
 from transport import Envelope
 from transport.errors import quote
 
@@ -51,6 +51,19 @@ class PassiveParty:
         self.ledger = PrivacyLedger(run_dir / LEDGER_FILENAME)
 
     def run(self) -> dict[str, Any]:
+        # a party in a process of its own gets a low-priority helper for its CKKS zeros, started
+        # now so that it imports while the run sets up; threads of one process (transport
+        # inproc) make them in their own waits
+        in_process = self.conn.peer.endpoint.startswith("inproc://")
+        zeros = None if in_process else PROCESS_ZERO_MODE
+        helper = start_zero_helper(zeros) if self.cfg.aggregation == "ckks" else None
+        try:
+            return self._serve(zeros, helper)
+        finally:
+            if helper is not None:
+                helper.close()
+
+    def _serve(self, zeros: str | None, helper: Any) -> dict[str, Any]:
         session = self.conn.handshake()
         rounds = PartyRound(
             cfg=self.cfg,
@@ -62,11 +75,8 @@ class PassiveParty:
             session=session,
             mask_keypair=self.conn.secrets.mask,
             mask_publics=self.conn.public.mask,
-            # a party in a process of its own gets a low-priority helper for its CKKS zeros;
-            # threads of one process (transport inproc) make them in their own waits
-            ckks_zeros=None
-            if self.conn.peer.endpoint.startswith("inproc://")
-            else PROCESS_ZERO_MODE,
+            ckks_zeros=zeros,
+            ckks_zero_helper=helper,
         )
         rounds.device_time = self.device_time
         rounds.guard.check_run()  # this party's own policy accepts the run its config describes

@@ -267,15 +267,18 @@ class PartyRound:
         mask_keypair: Any,
         mask_publics: Mapping[str, bytes],
         ckks_zeros: str | None = None,
+        ckks_zero_helper: Any = None,
     ) -> None:
         """`ckks_zeros`: how a CKKS sum stage makes its encryptions of zero ahead
-        (`securevfl.secure_sum.ZERO_MODES`); None: the in-process default."""
+        (`securevfl.secure_sum.ZERO_MODES`); None: the in-process default. `ckks_zero_helper`:
+        a helper process started early for it (`securevfl.secure_sum.start_zero_helper`)."""
         from securevfl.roles.guard import CallGuard
 
         self.cfg = cfg
         self.name = name
         self.method = method
         self.ckks_zeros = ckks_zeros
+        self.ckks_zero_helper = ckks_zero_helper
         # every call is checked before anything is computed or released
         self.guard = CallGuard(
             cfg=cfg,
@@ -431,6 +434,7 @@ class PartyRound:
                 mask_publics=self.mask_publics,
                 ckks_public_context=None if ckks is None else ckks.tobytes(),
                 ckks_zeros=self.ckks_zeros,
+                ckks_zero_helper=self.ckks_zero_helper,
             )
         )
         if saved is not None:

@@ -168,3 +168,46 @@ def test_a_helper_that_cannot_start_is_reported(holder, monkeypatch) -> None:
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     with pytest.raises(CkksError, match="cannot start the zero-encryption helper"):
         ZeroSource(public, ctx)
+
+
+def test_a_helper_started_before_its_context_makes_zeros_once_attached(holder) -> None:
+    """A run starts the helper before the key holder's context arrives (it imports meanwhile):
+    until `attach` nothing is taken; after, its zeros decrypt as any; a second context is
+    refused."""
+    source = ZeroSource(nice=0, idle_policy=False)
+    try:
+        assert source.alive and not source.attached
+        time.sleep(0.2)
+        assert source.take() is None  # no context yet: nothing made
+        ctx = holder.public_context_bytes()
+        public = CkksPublic(context_bytes=ctx, wire="raw")
+        source.attach(public, ctx)
+        assert source.attached
+        public._zeros.append(_take(source))
+        x = np.linspace(-5.0, 5.0, public.slots)
+        packed = public.encrypt(x)
+        np.testing.assert_allclose(holder.decrypt_sum(packed, shape=x.shape), x, atol=1e-5)
+        with pytest.raises(CkksError, match="already has its context"):
+            source.attach(public, ctx)
+    finally:
+        source.close()
+    assert not source.alive
+
+
+def test_an_unattached_helper_stops_when_closed_or_when_its_reader_dies(holder) -> None:
+    source = ZeroSource(nice=0, idle_policy=False)
+    source.close()
+    assert not source.alive
+    script = textwrap.dedent(
+        """
+        import os
+        from crypto.ckks_zeros import ZeroSource
+        source = ZeroSource(nice=0, idle_policy=False)
+        print(source._proc.pid, flush=True)
+        os._exit(0)  # never attached, never closed
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True
+    )
+    assert _gone(int(out.stdout.split()[0]), timeout=60)

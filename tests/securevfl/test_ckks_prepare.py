@@ -391,3 +391,34 @@ def test_helper_mode_falls_back_to_the_partys_own_wait_without_a_helper(monkeypa
     assert party.zeros == "idle" and party.source is None
     assert party.public.ready_zeros == 1  # made by the wait itself
     assert party.stats() == {"ckks_zeros": "idle", "ckks_zeros_from_helper": 0}
+
+
+def test_a_helper_started_early_is_the_one_the_party_attaches(monkeypatch):
+    """`start_zero_helper` starts the helper before the context is known (only where the mode
+    uses one); the party's first wait gives it the context instead of starting another."""
+    monkeypatch.delenv("SECUREVFL_CKKS_ZEROS", raising=False)
+    assert secure_sum.start_zero_helper(None) is None  # idle: no helper
+    assert secure_sum.start_zero_helper("idle") is None
+    helper = secure_sum.start_zero_helper("helper")
+    try:
+        assert helper is not None and helper.alive and not helper.attached
+        ctx = CkksKeyHolder(
+            params=choose_params(precision_bits=12, magnitude=2.0**10, terms=3).params
+        ).public_context_bytes()
+        party = CkksParty(
+            SumSession(
+                name="a",
+                session=b"s" * 16,
+                ckks_public_context=ctx,
+                ckks_zeros="helper",
+                ckks_zero_helper=helper,
+            )
+        )
+        party.idle()
+        assert party.source is helper and helper.attached
+        party.close()
+        assert not helper.alive
+    finally:
+        helper.close()
+    monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "fresh")  # the environment overrides
+    assert secure_sum.start_zero_helper("helper") is None
