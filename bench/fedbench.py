@@ -208,7 +208,7 @@ def run_federation(
     proxy's counters and the load average.
     Every process it starts is gone when it returns."""
     from securevfl.config import load_config
-    from securevfl.launcher import free_port, role_commands
+    from securevfl.launcher import cpu_env, free_port, pinned_cores, role_commands
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -238,6 +238,7 @@ def run_federation(
     for role, cmd in cmds.items():  # one directory per role, as on separate hosts
         cmd[cmd.index("--out") + 1] = str(out / role)
     env, cwd = role_environment(pythonpath, env)
+    cpus = pinned_cores(cfg, cmds)  # as `securevfl run` pins them ([run] pin_cores)
     load_before = loadavg()
     started = time.perf_counter()
     procs: dict[str, subprocess.Popen] = {}
@@ -246,7 +247,11 @@ def run_federation(
     try:
         for role, cmd in cmds.items():
             procs[role] = subprocess.Popen(
-                cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+                cmd,
+                env=cpu_env(env, cpus.get(role)),
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
             if role == "aggregator" or (role == cfg.active_name and "aggregator" not in cmds):
                 time.sleep(0.1)  # let it bind before the others connect (they retry anyway)

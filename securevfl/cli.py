@@ -345,6 +345,14 @@ def _prepare_threads(args: argparse.Namespace) -> None:
     except ConfigError:  # said once the command runs
         overrides = None
     prepare_threads(config, shared=shared, overrides=overrides)
+    if args.command in ("aggregator", "active", "party"):
+        from securevfl.threads import pin_from_env
+
+        try:
+            pin_from_env()  # before any thread starts: the role's threads share the core
+        except ValueError as exc:
+            print(f"securevfl: {exc}", file=sys.stderr)
+            raise SystemExit(P.EXIT_USAGE) from None
 
 
 def _preflight_run(args: argparse.Namespace) -> None:

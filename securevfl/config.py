@@ -113,6 +113,9 @@ class RunConfig:
     # compute threads of each role process (torch, BLAS, OpenMP); None: `securevfl.threads`
     # picks 1 when roles share the machine (`run`), else half the cores (at most 4)
     threads: int | None = None
+    # roles started together on one machine (run, predict, demo) pinned one core each,
+    # round-robin (`securevfl.threads`); false leaves their placement to the system
+    pin_cores: bool = True
     # [data]
     data_path: Path = Path("data.csv")
     id_column: str = "ID"
@@ -277,7 +280,16 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
     r = _Section(
         raw,
         "run",
-        {"method", "aggregation", "seed", "device", "min_group", "transport", "threads"},
+        {
+            "method",
+            "aggregation",
+            "seed",
+            "device",
+            "min_group",
+            "transport",
+            "threads",
+            "pin_cores",
+        },
     )
     d = _Section(
         raw,
@@ -344,6 +356,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         threads=(
             None if r.raw("threads") is None else r.integer("threads", 1, minimum=1, maximum=1024)
         ),
+        pin_cores=r.boolean("pin_cores", D.pin_cores),
         data_path=_resolve(base, d.string("path", None, required=True)),
         id_column=d.string("id", D.id_column),
         label=d.string("label", D.label),

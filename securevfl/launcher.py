@@ -310,6 +310,28 @@ def launch(
     return _start(cmds, cfg, out, stdout, env=env)
 
 
+def pinned_cores(cfg: RunConfig, cmds: Mapping[str, Any]) -> dict[str, int]:
+    """The core index of each role started on this machine ([run] pin_cores; none when
+    off): the active party first, then the aggregator, then the parties, round-robin."""
+    if not cfg.pin_cores:
+        return {}
+    from securevfl.threads import role_cpus
+
+    first = [r for r in (cfg.active_name, "aggregator") if r in cmds]
+    return role_cpus([*first, *(r for r in cmds if r not in first)])
+
+
+def cpu_env(env: Mapping[str, str], index: int | None) -> dict[str, str]:
+    """`env` for a role pinned to core `index` (`securevfl.threads.CPU_ENV`), or with no
+    pinning when None (a value inherited from this process would pin every role to one core)."""
+    from securevfl.threads import CPU_ENV
+
+    out = {k: v for k, v in env.items() if k != CPU_ENV}
+    if index is not None:
+        out[CPU_ENV] = str(index)
+    return out
+
+
 def _start(
     cmds: Mapping[str, list[str]],
     cfg: RunConfig,
@@ -324,10 +346,11 @@ def _start(
     # others, started at once, read it when they are ready to connect (`await_address`)
     _, binder_env, others_env = rendezvous(out, child_env)
     binder = "aggregator" if "aggregator" in cmds else cfg.active_name
+    cpus = pinned_cores(cfg, cmds)
     procs: list[RoleProcess] = []
     for role, cmd in cmds.items():
         is_active = role == cfg.active_name
-        role_env = binder_env if role == binder else others_env
+        role_env = cpu_env(binder_env if role == binder else others_env, cpus.get(role))
         procs.append(
             RoleProcess(
                 role,

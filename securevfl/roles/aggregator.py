@@ -25,6 +25,7 @@ from securevfl.keys import AGGREGATOR, load_public, load_secrets
 from securevfl.roles import protocol as P
 from securevfl.roles.rounds import AggregatorRound, Call, readmits_late, tolerates_dropout
 from securevfl.secure_sum import ContributionError
+from securevfl.threads import process_cpus
 from transport import Allowlist, Envelope, Hub, PeerLost, ReceiveTimeout, TransportError
 from transport.errors import one_line, quote
 
@@ -511,6 +512,7 @@ class Aggregator:
         stats[AGGREGATOR] = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "cpus": process_cpus(),
             "bytes_sent": int(self.hub.bytes_sent),
             "bytes_received": int(self.hub.bytes_received),
             "rejected_messages": int(getattr(self.hub, "rejected", 0)) + self.rejected,

@@ -22,6 +22,7 @@ from securevfl.keys import (
     load_secrets,
 )
 from securevfl.roles import protocol as P
+from securevfl.threads import process_cpus
 from transport import (
     Envelope,
     HandshakeFailed,
@@ -220,6 +221,7 @@ class RoleConnection:
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "cpus": process_cpus(),
             "bytes_sent": int(self.peer.bytes_sent),
             "bytes_received": int(self.peer.bytes_received),
         }

@@ -69,6 +69,24 @@ def test_ckks_parties_in_processes_of_their_own_make_zeros_with_a_helper(demo_ru
         assert roles[p]["ckks_zeros_from_helper"] >= 0
 
 
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="pinning needs at least two usable cores"
+)
+def test_securevfl_run_pins_each_role_to_one_core_round_robin(demo_runs):
+    """[run] pin_cores (on by default): every role process of `securevfl run` ran on one core,
+    the active party and the aggregator on different ones, the roles spread round-robin."""
+    from securevfl.config import load_config
+
+    metrics, _, d = demo_runs["mask"]
+    roles = metrics["roles"]
+    (config,) = d.glob("*.toml")
+    cfg = load_config(config)
+    allowed = sorted(os.sched_getaffinity(0))
+    order = [cfg.active_name, "aggregator", *cfg.party_names]
+    for i, role in enumerate(order):
+        assert roles[role]["cpus"] == [allowed[i % len(allowed)]], (role, roles[role])
+
+
 def test_ckks_bytes_show_the_expansion(demo_runs):
     plain = demo_runs["plain"][0]["roles"]
     ckks = demo_runs["ckks"][0]["roles"]

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from securevfl import cli
+from securevfl.launcher import cpu_env, pinned_cores
 from securevfl.threads import (
+    CPU_ENV,
     THREAD_VARS,
     configured_threads,
     default_threads,
@@ -36,7 +38,9 @@ fake = types.ModuleType("securevfl.roles.party")
 def run_party(cfg, **kwargs):
     import threadpoolctl, torch
     blas = {i["internal_api"]: i["num_threads"] for i in threadpoolctl.threadpool_info()}
-    print(json.dumps({"torch": torch.get_num_threads(), "seen": seen, "blas": blas}))
+    cpus = sorted(os.sched_getaffinity(0))
+    report = {"torch": torch.get_num_threads(), "seen": seen, "blas": blas, "cpus": cpus}
+    print(json.dumps(report))
     return 0
 fake.run_party = run_party
 sys.modules["securevfl.roles.party"] = fake
@@ -47,7 +51,7 @@ sys.exit(main(sys.argv[1:]))
 
 def probe_party(tmp_path, *extra: str, env: dict[str, str] | None = None) -> dict:
     s = make_setup(tmp_path)
-    clean = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
+    clean = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARS, CPU_ENV)}
     done = subprocess.run(
         [sys.executable, "-c", PROBE, *s.role("party", *extra, name="alpha")],
         capture_output=True,
@@ -130,3 +134,58 @@ def test_a_role_command_alone_defaults_to_half_the_cores(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     cli._prepare_threads(cli.build_parser().parse_args(s.role("aggregator")))
     assert os.environ["OMP_NUM_THREADS"] == str(default_threads(shared=False))
+
+
+ALLOWED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="pinning needs at least two usable cores")
+def test_a_role_pins_itself_to_the_core_its_launcher_names_before_it_starts(tmp_path):
+    """`SECUREVFL_CPU=k`: the role process runs on the k-th usable core (modulo their number),
+    set before torch starts its threads; unset, it may run on every core."""
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    report = probe_party(tmp_path / "a", env={CPU_ENV: "1"})
+    assert report["cpus"] == [ALLOWED[1]]
+    report = probe_party(tmp_path / "b", env={CPU_ENV: str(len(ALLOWED))})
+    assert report["cpus"] == [ALLOWED[0]]  # modulo the cores
+    assert probe_party(tmp_path / "c")["cpus"] == ALLOWED
+
+
+def test_a_bad_core_index_stops_the_role_naming_the_variable(tmp_path):
+    s = make_setup(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "securevfl", *s.role("party", name="alpha")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, CPU_ENV: "first"},
+    )
+    assert done.returncode == 2
+    assert "SECUREVFL_CPU='first' is not a core index" in done.stderr
+    assert "unset it" in done.stderr
+
+
+def test_the_launcher_pins_the_active_party_and_the_aggregator_apart_then_the_parties():
+    """Round-robin in the launcher's order: active party, aggregator, parties; none with
+    [run] pin_cores = false; an inherited SECUREVFL_CPU never reaches an unpinned role."""
+    from types import SimpleNamespace
+
+    cmds = dict.fromkeys(["aggregator", "p1", "bank", "p2", "p3"], [])
+    cfg = SimpleNamespace(pin_cores=True, active_name="bank")
+    assert pinned_cores(cfg, cmds) == {"bank": 0, "aggregator": 1, "p1": 2, "p2": 3, "p3": 4}
+    colocated = {k: v for k, v in cmds.items() if k != "aggregator"}
+    assert pinned_cores(cfg, colocated) == {"bank": 0, "p1": 1, "p2": 2, "p3": 3}
+    assert pinned_cores(SimpleNamespace(pin_cores=False, active_name="bank"), cmds) == {}
+    assert cpu_env({"A": "1", CPU_ENV: "7"}, 2) == {"A": "1", CPU_ENV: "2"}
+    assert cpu_env({"A": "1", CPU_ENV: "7"}, None) == {"A": "1"}
+
+
+def test_pin_cores_is_a_boolean_of_run(tmp_path):
+    from securevfl.config import ConfigError, load_config
+
+    s = make_setup(tmp_path)
+    assert load_config(s.config).pin_cores is True
+    assert load_config(s.config, overrides={"run.pin_cores": False}).pin_cores is False
+    with pytest.raises(ConfigError, match="pin_cores"):
+        load_config(s.config, overrides={"run.pin_cores": "yes"})
