@@ -319,8 +319,8 @@ class MaskActive(ActiveSumStage):
 #: what the pipe holds (a non-blocking read and a checked load, ~0.07 ms each) and makes the
 #: rest itself, as ``idle`` does. On a host of its own the helper makes them all; on a busy
 #: one the party's own wait does. Falls back to ``idle`` where the child cannot be started.
-#: ``idle`` (the default in process: in-process federations, where a helper process per party
-#: would cost more than it saves): in the party's own thread once its contribution is sent and
+#: ``idle`` (the default of in-process federations, where a helper process per party would
+#: cost more than it saves): in the party's own thread once its contribution is sent and
 #: it waits for the next call (`CkksParty.idle`, called by the party's loop),
 #: `CKKS_IDLE_DELAY_S` after the send (none by default), as many as the calls since the last
 #: wait used.
@@ -331,10 +331,10 @@ class MaskActive(ActiveSumStage):
 #: started.
 #: ``fresh``: none prepared; each chunk is encrypted within the call.
 #: Side by side on a quiet 2-core machine (Credit, 4 parties) ``idle`` with no delay beat
-#: ``thread`` in every repeat, 1.62x plain against 1.72x, and ``helper`` beat ``idle`` in 6 of
-#: 6 paired repeats, median epoch 0.574 s against 0.612 s (see the README's CKKS overhead
-#: section): the zeros are made while the party would only wait, or by a process that runs
-#: only when a core would otherwise be idle.
+#: ``thread`` in every repeat, 1.62x plain against 1.72x, and ``helper`` (started with the
+#: party) beat ``idle`` in 5 of 6 paired repeats, median epoch 0.577 s against 0.719 s (see the
+#: README's CKKS section): the zeros are made while the party would only wait, or by a process
+#: that runs only when a core would otherwise be idle.
 ZERO_MODES = ("thread", "process", "idle", "fresh", "helper")
 ZEROS_ENV = "SECUREVFL_CKKS_ZEROS"
 DEFAULT_ZERO_MODE = "idle"
