@@ -185,13 +185,7 @@ def test_a_zero_made_while_idle_is_sent_once_and_never_again():
 
 
 def test_process_mode_takes_zeros_from_the_helper_and_sums_stay_exact(monkeypatch):
-    import functools
-
-    import crypto.ckks_zeros
-
-    # at normal priority: the test does not wait for idle CPU (the priority has its own test)
-    helper = functools.partial(crypto.ckks_zeros.ZeroSource, nice=0, idle_policy=False)
-    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", helper)
+    _normal_priority_helper(monkeypatch)
     parties, agg, active = _roles("process")
     try:
         for party in parties.values():
@@ -216,13 +210,18 @@ def test_process_mode_takes_zeros_from_the_helper_and_sums_stay_exact(monkeypatc
     assert not parties["a"].source.alive
 
 
-def test_process_mode_falls_back_to_a_worker_thread_without_a_helper(monkeypatch):
+def _no_helper(monkeypatch) -> None:
+    """No helper process can be started here."""
     import crypto.ckks_zeros
 
     def refuse(*args, **kwargs):
         raise crypto.ckks_zeros.CkksError("no helper here")
 
     monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", refuse)
+
+
+def test_process_mode_falls_back_to_a_worker_thread_without_a_helper(monkeypatch):
+    _no_helper(monkeypatch)
     parties, _, _ = _roles("process")
     party = parties["a"]
     party.idle()
@@ -378,12 +377,7 @@ def test_every_chunk_in_helper_mode_carries_a_new_zero(monkeypatch):
 
 
 def test_helper_mode_falls_back_to_the_partys_own_wait_without_a_helper(monkeypatch):
-    import crypto.ckks_zeros
-
-    def refuse(*args, **kwargs):
-        raise crypto.ckks_zeros.CkksError("no helper here")
-
-    monkeypatch.setattr(crypto.ckks_zeros, "ZeroSource", refuse)
+    _no_helper(monkeypatch)
     parties, _, _ = _roles("helper")
     party = parties["a"]
     party.protect(np.ones(5), round=0, group=["a", "b"], key="h")
