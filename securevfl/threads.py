@@ -117,9 +117,10 @@ def role_cpus(roles: list[str] | tuple[str, ...]) -> dict[str, int]:
 def pin_from_env(env: Mapping[str, str] | None = None) -> int | None:
     """Pin this process to one core when ``SECUREVFL_CPU`` says which: its value modulo the
     cores this process may use, counted in order. Returns the core, or None when the variable
-    is unset or empty, the system cannot pin (no ``sched_setaffinity``) or only one core is
-    usable. Raises ValueError, naming the variable and the fix, for a value that is not a
-    non-negative integer. Call it before any thread starts: threads inherit the pinning."""
+    is unset or empty, the system cannot or will not pin (no ``sched_setaffinity``, or it
+    refuses) or only one core is usable. Raises ValueError, naming the variable and the fix,
+    for a value that is not a non-negative integer. Call it before any thread starts: threads
+    inherit the pinning."""
     env = os.environ if env is None else env
     text = env.get(CPU_ENV, "").strip()
     if not text:
@@ -139,7 +140,10 @@ def pin_from_env(env: Mapping[str, str] | None = None) -> int | None:
     if len(cpus) < 2:
         return None
     cpu = cpus[index % len(cpus)]
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:  # refused here (a container's policy): placement stays with the system
+        return None
     return cpu
 
 

@@ -189,3 +189,19 @@ def test_pin_cores_is_a_boolean_of_run(tmp_path):
     assert load_config(s.config, overrides={"run.pin_cores": False}).pin_cores is False
     with pytest.raises(ConfigError, match="pin_cores"):
         load_config(s.config, overrides={"run.pin_cores": "yes"})
+
+
+def test_a_system_that_refuses_to_pin_leaves_the_role_unpinned(monkeypatch):
+    """Pinning is an optimisation: where the system refuses it (a container's policy) the role
+    runs unpinned instead of failing."""
+    from securevfl import threads
+
+    def refuse(pid, cpus):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads.os, "sched_setaffinity", refuse)
+    assert threads.pin_from_env({CPU_ENV: "1"}) is None
+    assert threads.pin_from_env({CPU_ENV: ""}) is None
+    with pytest.raises(ValueError, match="SECUREVFL_CPU='-1'"):
+        threads.pin_from_env({CPU_ENV: "-1"})
