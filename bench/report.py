@@ -1440,13 +1440,17 @@ def _render_pipelined(piped: Sequence[Mapping[str, Any]]) -> list[str]:
                 r for r in (p["ratio_to_loopback_depth0"], p["ratio_to_loopback_same_depth"]) if r
             )
             held = worst <= FLOOR_WAN_10MS
+            same = (
+                f"{_fmt(p['ratio_to_loopback_same_depth'], 2)}× the same configuration on loopback"
+                if p["ratio_to_loopback_same_depth"]
+                else "the same configuration not run on loopback"
+            )
             lines += [
                 f"**Floor: mask epoch at 10 ms RTT ≤ {FLOOR_WAN_10MS}× loopback, pipelined at "
                 f"depth {p['depth']}, aggregator {_where_aggregator(p)}: "
                 f"{'holds' if held else 'does not hold'}** "
                 f"({_fmt(p['ratio_to_loopback_depth0'], 2)}× the unpipelined loopback epoch, "
-                f"{_fmt(p['ratio_to_loopback_same_depth'], 2)}× the same configuration on "
-                "loopback). The "
+                f"{same}). The "
                 f"price is staleness: test ROC-AUC {_fmt(p['roc_auc'], 3)} against "
                 f"{_fmt(p['roc_auc_depth0'], 3)} unpipelined after the same epochs.",
                 "",

@@ -188,6 +188,13 @@ def test_runs_with_the_aggregator_in_the_active_party_are_their_own_pipelined_ro
         "unpipelined loopback epoch, 1.10× the same configuration on loopback)" in md
     )
     assert "pipelined at depth 8, aggregator in its own process: does not hold**" in md
+    # a 10 ms point whose configuration did not run on loopback (the quick plan) says so
+    alone = [r for r in s["pipelined"] if (r["rtt_ms"], r["aggregator_in_active"]) == (10.0, True)]
+    alone[0]["ratio_to_loopback_same_depth"] = None
+    md = "\n".join(R._render_pipelined(alone))
+    assert (
+        "(0.92× the unpipelined loopback epoch, the same configuration not run on loopback)" in md
+    )
 
 
 def test_federated_vs_centralised_floor_is_judged_on_both_bounds() -> None:
