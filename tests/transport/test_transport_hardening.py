@@ -88,7 +88,9 @@ def test_the_hub_queues_at_most_max_pending_messages_per_role(
     make_hub, make_peer, raw_dealer, keys, caplog
 ):
     caplog.set_level(logging.WARNING, logger="transport.hub")
-    hub = make_hub(limits=Limits(max_pending_messages=3))
+    # mallory sends no heartbeats: a peer_timeout the test's own pace cannot reach on a slow
+    # machine (FAST's 1 s declared it lost mid-test under load)
+    hub = make_hub(limits=Limits(max_pending_messages=3), peer_timeout=30.0)
     honest = make_peer("party1", hub)
     raw = raw_dealer(hub, keypair=keys.roles["mallory"], routing_id="mallory")
     hub.wait_for(["party1"], timeout=3)
