@@ -473,10 +473,17 @@ class MaskedSumParty:
         return min(refused) if refused else -1
 
     def prepare(
-        self, *, round: int, group: Sequence[str], sizes: Mapping[str, int]
+        self,
+        *,
+        round: int,
+        group: Sequence[str],
+        sizes: Mapping[str, int],
+        inline: bool = False,
     ) -> Future[None]:
         """Start computing, on a background thread, the masks of a future call; returns the job
-        (done when the masks are ready; waiting on it is never required).
+        (done when the masks are ready; waiting on it is never required). ``inline``: compute
+        them now, in the calling thread (e.g. while its caller would only wait for a message),
+        and return the finished job.
 
         ``sizes`` maps each tensor of that call to its number of values. A later :meth:`mask`
         or :meth:`mask_many` with the same round, group, names and sizes then only encodes and
@@ -505,12 +512,24 @@ class MaskedSumParty:
                 f"{MAX_PREPARED} preparations are already pending; mask or close() first"
             )
         streams = self._streams(domain)  # pair keys derived here: the worker only reads
+        if inline:
+            net = np.empty(total, dtype=np.uint64)
+            done: Future[None] = Future()
+            _net_mask(net, streams, self.encoder.shift)
+            done.set_result(None)
+            self._prepared[digest] = (net, done)
+            return done
         if self._prefetch_pool is None:
             self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prep")
         net = np.empty(total, dtype=np.uint64)
         future = self._prefetch_pool.submit(_net_mask, net, streams, self.encoder.shift)
         self._prepared[digest] = (net, future)
         return future
+
+    @property
+    def pending(self) -> int:
+        """How many prepared masks wait for their call."""
+        return len(self._prepared)
 
     def forget_prepared(self) -> int:
         """Cancel every pending preparation (e.g. one whose sizes did not match the call it

@@ -238,6 +238,21 @@ def _encoder(s: SumSession) -> FixedPointEncoder:
     return FixedPointEncoder(frac_bits=s.frac_bits, bound=s.bound)
 
 
+#: $SECUREVFL_MASK_AHEAD=0 turns off the masks a party makes ahead while it waits
+#: (`MaskParty.idle`); on by default. What is sent is bit-identical either way.
+MASK_AHEAD_ENV = "SECUREVFL_MASK_AHEAD"
+
+
+def masks_ahead() -> bool:
+    """Whether a masking party makes the next call's masks while it waits for that call."""
+    value = os.environ.get(MASK_AHEAD_ENV, "").strip()
+    if value in ("", "0", "1"):
+        return value != "0"
+    from securevfl.errors import ConfigError
+
+    raise ConfigError(MASK_AHEAD_ENV, f"is {value!r}; set 1 (on), 0 (off) or leave it unset")
+
+
 class MaskParty(PartySumStage):
     backend = "mask"
 
@@ -253,6 +268,44 @@ class MaskParty(PartySumStage):
             session=s.session,
             encoder=self.encoder,
         )
+        self.ahead = masks_ahead()
+        # the sums of the last two calls that masked: (round, ((group, key, values), ...))
+        self._calls: list[tuple[int, list[tuple[tuple[str, ...], str, int]]]] = []
+        self.ahead_made = 0
+        self.ahead_used = 0
+
+    def idle(self) -> None:
+        """Work ahead while the party waits for its next call (its loop calls this once the
+        contribution is sent): the masks of the sums that call will most likely ask for — the
+        last call's sums again, its round advanced by the step between the last two calls —
+        made now, in this thread, so that the call only encodes and adds (bit-identical
+        output). A wrong guess costs only this wait: its masks are dropped unused and their
+        domains are never used; nothing is sent."""
+        if not self.ahead:
+            return
+        self.masker.forget_prepared()  # an earlier guess this call did not take
+        if len(self._calls) < 2:
+            return
+        (before, sums_before), (last, sums_last) = self._calls
+        if sums_before != sums_last or last <= before:
+            return
+        for group, key, size in sums_last:
+            try:
+                self.masker.prepare(
+                    round=last + (last - before), group=group, sizes={key: size}, inline=True
+                )
+            except ValueError:  # e.g. that domain is used already: the call will say why
+                return
+            self.ahead_made += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"mask_ahead": {"made": self.ahead_made, "used": self.ahead_used}}
+
+    def _note(self, round: int, group: Sequence[str], key: str, size: int) -> None:
+        if self._calls and self._calls[-1][0] == round:
+            self._calls[-1][1].append((tuple(group), key, size))
+            return
+        self._calls = [*self._calls[-1:], (round, [(tuple(group), key, size)])]
 
     def expect(self, sums):
         """The keystreams of the expected sums, generated on the masker's worker thread while
@@ -270,11 +323,12 @@ class MaskParty(PartySumStage):
     def protect(self, x, *, round, group, key):
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
-        return {
-            key: self.masker.mask(
-                np.asarray(x, dtype=np.float64), round=round, group=group, tensor=key
-            )
-        }
+        x = np.asarray(x, dtype=np.float64)
+        pending = self.masker.pending
+        masked = self.masker.mask(x, round=round, group=group, tensor=key)
+        self.ahead_used += self.masker.pending < pending  # it took masks made ahead
+        self._note(round, group, key, int(x.size))
+        return {key: masked}
 
 
 class MaskAggregator(AggregatorSumStage):

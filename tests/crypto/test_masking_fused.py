@@ -267,6 +267,20 @@ def test_prepared_masks_give_the_same_bits(name: str) -> None:
     p.close()
 
 
+def test_masks_prepared_inline_are_ready_on_return_and_give_the_same_bits() -> None:
+    group = ("alice", "carol", "erin")
+    x = np.random.default_rng(6).normal(size=(2, C + 5))
+    p = party("carol")
+    job = p.prepare(round=4, group=group, sizes={"h": x.size}, inline=True)
+    assert job.done() and p.pending == 1 and p._prefetch_pool is None  # no thread started
+    got = p.mask(x, round=4, group=group, tensor="h")
+    assert p.pending == 0
+    assert got.tobytes() == reference(p, x, round=4, group=group, tensor="h").tobytes()
+    with pytest.raises(ValueError, match="reuse"):
+        p.prepare(round=4, group=group, sizes={"h": x.size}, inline=True)
+    p.close()
+
+
 def test_prepared_masks_for_another_size_or_round_are_ignored() -> None:
     group = ROSTER[:3]
     p = party("bob")
