@@ -1,0 +1,155 @@
+"""Where a role's time goes, per call: a real Credit federation (`fedbench.run_federation`, the
+processes `securevfl run` starts) whose roles time a few named functions — a passive party's
+whole answer (call in to contribution out), its method's operations, its sends and receives —
+and report the median wall and CPU (thread) time of each. The timing is put in by a
+`sitecustomize.py` on the roles' PYTHONPATH, not in securevfl's code; it costs a few
+microseconds a call, the same in every arm.
+
+    python bench/role_timings.py [--data credit_default.csv] [--parties 4] [--epochs 3]
+        [--repeats 2] [--arm NAME=KEY=VALUE,...]... [--out FILE.json]
+
+An arm sets config keys (section.key=value) or the roles' environment variables (UPPER_CASE=value),
+e.g. `--arm off=run.aggregation=mask,SECUREVFL_MASK_AHEAD=0 --arm
+on=run.aggregation=mask,SECUREVFL_MASK_AHEAD=1`; arms are interleaved in every repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import fedbench as F  # noqa: E402
+from fed_central import parse_arm  # noqa: E402
+
+# (module, class, function, label): what the roles time
+TIMED = (
+    ("securevfl.roles.rounds", "PartyRound", "answer", "party.answer"),
+    ("securevfl.roles.rounds", "PartyRound", "_operation", "party.operation"),
+    ("transport.peer", "Peer", "send", "peer.send"),
+    ("transport.peer", "Peer", "recv", "peer.recv"),
+    ("transport.hub", "Hub", "send_each", "hub.send_each"),
+)
+
+SITECUSTOMIZE = """
+import atexit, importlib, json, os, sys, time
+_OUT = os.environ.get("SECUREVFL_ROLE_TIMINGS")
+if _OUT:
+    _T = {}
+    def _wrap(module, cls, name, label):
+        owner = getattr(importlib.import_module(module), cls)
+        inner = getattr(owner, name)
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                _T.setdefault(label, []).append(
+                    (time.perf_counter() - wall, time.thread_time() - cpu))
+        setattr(owner, name, timed)
+    for _spec in %r:
+        _wrap(*_spec)
+    def _dump():
+        role = sys.argv[sys.argv.index("--name") + 1] if "--name" in sys.argv else (
+            "aggregator" if "aggregator" in sys.argv else "active")
+        with open(os.path.join(_OUT, role + ".json"), "w") as f:
+            json.dump(_T, f)
+    atexit.register(_dump)
+"""
+
+
+def summary(samples: list[list[float]]) -> dict[str, float]:
+    wall = [s[0] for s in samples]
+    cpu = [s[1] for s in samples]
+    return {
+        "calls": len(samples),
+        "wall_ms_median": round(1e3 * statistics.median(wall), 4),
+        "cpu_ms_median": round(1e3 * statistics.median(cpu), 4),
+        "cpu_s_total": round(sum(cpu), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=F.CREDIT)
+    ap.add_argument("--parties", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--arm", action="append", default=[], help="NAME=KEY=VALUE,...")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "role_timings")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    arms = [parse_arm(a.replace("=", "=.:", 1)) for a in args.arm] or [("plain", None, {})]
+    ds = F.credit(args.data, parties=args.parties)
+    prep = F.prepare(ds, args.work)
+    site = args.work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE % (TIMED,))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(site), os.environ.get("PYTHONPATH")])
+    )
+    runs = []
+    for repeat in range(args.repeats):
+        for name, _, overrides in arms:
+            raw = F.config_raw(ds, aggregation="plain", epochs=args.epochs)
+            env = {k: str(v) for k, v in overrides.items() if k.isupper()}
+            for key, value in overrides.items():
+                if not key.isupper():
+                    section, _, field = key.partition(".")
+                    raw.setdefault(section, {})[field] = value
+            out = args.work / f"{name}-{repeat}"
+            timings = out / "timings"
+            timings.mkdir(parents=True, exist_ok=True)
+            env["SECUREVFL_ROLE_TIMINGS"] = str(timings)
+            result = F.run_federation(prep, raw, out, env=env)
+            roles = {
+                p.stem: {label: summary(s) for label, s in json.loads(p.read_text()).items()}
+                for p in sorted(timings.glob("*.json"))
+            }
+            answers = [
+                r["party.answer"]["cpu_ms_median"] for r in roles.values() if "party.answer" in r
+            ]
+            print(
+                f"rep={repeat} {name}: epochs {result.get('epoch_seconds')} party answer CPU ms "
+                f"(median per party) {answers}",
+                flush=True,
+            )
+            runs.append(
+                {
+                    "arm": name,
+                    "repeat": repeat,
+                    "overrides": overrides,
+                    "roles": roles,
+                    "epoch_seconds": result.get("epoch_seconds"),
+                    "ok": result.get("ok"),
+                }
+            )
+    table = {}
+    for name, _, _ in arms:
+        mine = [r for r in runs if r["arm"] == name]
+        answers = [
+            role["party.answer"]["cpu_ms_median"]
+            for r in mine
+            for role in r["roles"].values()
+            if "party.answer" in role
+        ]
+        epochs = [e for r in mine for e in (r["epoch_seconds"] or [])]
+        table[name] = {
+            "party_answer_cpu_ms_median": statistics.median(answers) if answers else None,
+            "epoch_s_median": statistics.median(epochs) if epochs else None,
+        }
+    result = {"command": "python " + " ".join(sys.argv), "machine": F.cpu_model()}
+    F.write_result({**result, "table": table, "runs": runs}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
