@@ -115,6 +115,42 @@ def test_a_streamed_table_gives_the_encoded_rows_and_summaries_of_one_in_memory(
     assert len(tables.load_party_table(kept["web"], cfg, "web").ids) < 360  # unheld rows dropped
 
 
+def test_scaled_batches_equal_scaling_each_batch_and_follow_a_new_scaler(tmp_path, monkeypatch):
+    from securevfl.methods.blocks.nets import ScaledBatches, Standardizer
+
+    write_table(tmp_path / "data.csv")
+    kept = tables.split_federation(config(tmp_path, stream=False), tmp_path / "split")
+    cfg = config(tmp_path, stream=False)
+    memory = tables.load_party_table(kept["bank"], cfg, "bank", chunk_bytes=CHUNK)
+    disk = tables.load_party_table(
+        kept["bank"], cfg, "bank", stream=True, cache_dir=tmp_path / "cache", chunk_bytes=CHUNK
+    )
+    rng = np.random.default_rng(2)
+    for table in (memory, disk):
+        table.prepare(table.ids[::2])
+        scaler = Standardizer().fit(table.rows(table.ids[::2]))
+        batches = ScaledBatches(table, scaler)
+        for _ in range(3):
+            some = table.ids[rng.permutation(len(table.ids))[:40]]
+            got = batches.rows(some)
+            assert got.dtype == np.float32
+            assert np.array_equal(got, scaler.transform(table.rows(some)))
+        # a checkpoint's statistics loaded into the same scaler: the batches follow them
+        scaler.load_state_dict({"mean": scaler.mean + 1.0, "std": scaler.std * 2.0})
+        assert np.array_equal(batches.rows(some), scaler.transform(table.rows(some)))
+    # in memory the whole table is scaled once per statistics, not once per batch
+    calls = []
+    real = Standardizer.transform
+    monkeypatch.setattr(
+        Standardizer, "transform", lambda self, v: calls.append(len(v)) or real(self, v)
+    )
+    scaler = Standardizer().fit(memory.rows(memory.ids))
+    batches = ScaledBatches(memory, scaler)
+    for _ in range(5):
+        batches.rows(memory.ids[:10])
+    assert calls == [len(memory.ids)]
+
+
 @pytest.mark.parametrize("method", ["laser", "splitnn"])
 def test_a_file_forced_to_stream_trains_to_the_metrics_of_the_same_file_in_memory(
     tmp_path, monkeypatch, method

@@ -99,6 +99,31 @@ class Standardizer:
         self.std = np.asarray(state["std"])
 
 
+class ScaledBatches:
+    """The scaled rows of a table by id, batch after batch. A table held in memory is scaled
+    once, whole, and each batch then only picks its rows (elementwise the same float32 values
+    as scaling the batch); it is scaled again when the scaler's statistics or the table's
+    matrix change (a fit, a checkpoint loaded). A table streamed from disk is read and scaled
+    batch by batch, so its memory stays bounded by the batch."""
+
+    def __init__(self, table: Any, scaler: Standardizer) -> None:
+        self.table = table
+        self.scaler = scaler
+        self._key: tuple[Any, bytes, bytes] | None = None
+        self._scaled: np.ndarray | None = None
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [len(ids), n_columns]: `scaler.transform(table.rows(ids))`."""
+        matrix = None if getattr(self.table, "streamed", False) else self.table.values
+        if matrix is None or self.scaler.mean is None:
+            return self.scaler.transform(self.table.rows(ids))
+        stats = (np.asarray(self.scaler.mean).tobytes(), np.asarray(self.scaler.std).tobytes())
+        if self._key is None or self._key[0] is not matrix or self._key[1:] != stats:
+            self._scaled = self.scaler.transform(matrix)
+            self._key = (matrix, *stats)
+        return self._scaled[self.table.positions(ids)]
+
+
 def float_tensors(arrays: Mapping[str, Any], device: Any) -> dict[str, Any]:
     """Received arrays (sums, gradients) as float32 tensors on `device`, by name."""
     return {
