@@ -6,11 +6,12 @@ and report the median wall and CPU (thread) time of each. The timing is put in b
 microseconds a call, the same in every arm.
 
     python bench/role_timings.py [--data credit_default.csv] [--parties 4] [--epochs 3]
-        [--repeats 2] [--arm NAME=KEY=VALUE,...]... [--out FILE.json]
+        [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
 
-An arm sets config keys (section.key=value) or the roles' environment variables (UPPER_CASE=value),
-e.g. `--arm off=run.aggregation=mask,SECUREVFL_MASK_AHEAD=0 --arm
-on=run.aggregation=mask,SECUREVFL_MASK_AHEAD=1`; arms are interleaved in every repeat.
+An arm is `bench/fed_central.py`'s: the roles run the code in TREE (`.`: this checkout; a copy
+of an older version to compare it) with config keys (section.key=value) or environment
+variables (UPPER_CASE=value) set, e.g. `--arm off=.:run.aggregation=mask,SECUREVFL_MASK_AHEAD=0
+--arm on=.:run.aggregation=mask,SECUREVFL_MASK_AHEAD=1`; arms are interleaved in every repeat.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parties", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--arm", action="append", default=[], help="NAME=KEY=VALUE,...")
+    ap.add_argument("--arm", action="append", default=[], help="NAME=TREE[:KEY=VALUE,...]")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "role_timings")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    arms = [parse_arm(a.replace("=", "=.:", 1)) for a in args.arm] or [("plain", None, {})]
+    arms = [parse_arm(a) for a in args.arm] or [("plain", None, {})]
     ds = F.credit(args.data, parties=args.parties)
     prep = F.prepare(ds, args.work)
     site = args.work / "site"
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     runs = []
     for repeat in range(args.repeats):
-        for name, _, overrides in arms:
+        for name, tree, overrides in arms:
             raw = F.config_raw(ds, aggregation="plain", epochs=args.epochs)
             env = {k: str(v) for k, v in overrides.items() if k.isupper()}
             for key, value in overrides.items():
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             timings = out / "timings"
             timings.mkdir(parents=True, exist_ok=True)
             env["SECUREVFL_ROLE_TIMINGS"] = str(timings)
-            result = F.run_federation(prep, raw, out, env=env)
+            result = F.run_federation(prep, raw, out, env=env, pythonpath=tree)
             roles = {
                 p.stem: {label: summary(s) for label, s in json.loads(p.read_text()).items()}
                 for p in sorted(timings.glob("*.json"))
