@@ -273,6 +273,7 @@ class MaskParty(PartySumStage):
         self._calls: list[tuple[int, list[tuple[tuple[str, ...], str, int]]]] = []
         self.ahead_made = 0
         self.ahead_used = 0
+        self._waited_after: int | None = None  # the round of the last masked call before a wait
 
     def idle(self) -> None:
         """Work ahead while the party waits for its next call (its loop calls this once the
@@ -283,6 +284,10 @@ class MaskParty(PartySumStage):
         domains are never used; nothing is sent."""
         if not self.ahead:
             return
+        latest = self._calls[-1][0] if self._calls else None
+        if latest == self._waited_after:  # no masked call since the last wait: its guess stands
+            return
+        self._waited_after = latest
         self.masker.forget_prepared()  # an earlier guess this call did not take
         if len(self._calls) < 2:
             return

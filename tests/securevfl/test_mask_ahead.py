@@ -75,6 +75,8 @@ def test_masks_made_ahead_are_bit_identical_and_a_wrong_guess_is_dropped(monkeyp
         assert (p.ahead_made, p.ahead_used, p.masker.pending) == (0, 0, 0)
     for p in on.values():
         assert p.stats() == {"mask_ahead": {"made": 4, "used": 2}}
+        p.idle()  # a wait after a call without sums (a checkpoint): nothing made again
+        assert p.stats() == {"mask_ahead": {"made": 4, "used": 2}}
     # the sums still cancel, and the wrong guess (round 11) left no masks behind
     active = MaskActive(SumSession(name="active", session=SESSION))
     for (_, size), sent in zip(plan, got, strict=True):
@@ -93,6 +95,7 @@ def test_a_guess_is_never_made_for_a_domain_already_used(monkeypatch):
     p.protect(x, round=2, group=NAMES, key="S")
     p.protect(x, round=3, group=NAMES, key="S")  # the guess after 1, 2 would be 3: used
     p._calls = [(1, [(NAMES, "S", 8)]), (2, [(NAMES, "S", 8)])]  # a wait that comes late
+    p._waited_after = None
     p.idle()
     assert p.masker.pending == 0 and p.ahead_made == 0
 
