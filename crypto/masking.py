@@ -512,17 +512,17 @@ class MaskedSumParty:
                 f"{MAX_PREPARED} preparations are already pending; mask or close() first"
             )
         streams = self._streams(domain)  # pair keys derived here: the worker only reads
-        if inline:
-            net = np.empty(total, dtype=np.uint64)
-            done: Future[None] = Future()
-            _net_mask(net, streams, self.encoder.shift)
-            done.set_result(None)
-            self._prepared[digest] = (net, done)
-            return done
-        if self._prefetch_pool is None:
-            self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-prep")
         net = np.empty(total, dtype=np.uint64)
-        future = self._prefetch_pool.submit(_net_mask, net, streams, self.encoder.shift)
+        if inline:
+            future: Future[None] = Future()
+            _net_mask(net, streams, self.encoder.shift)
+            future.set_result(None)
+        else:
+            if self._prefetch_pool is None:
+                self._prefetch_pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="mask-prep"
+                )
+            future = self._prefetch_pool.submit(_net_mask, net, streams, self.encoder.shift)
         self._prepared[digest] = (net, future)
         return future
 

@@ -225,6 +225,19 @@ D = _Defaults()
 # Reading and validation
 
 
+def env_switch(name: str, *, default: bool) -> bool:
+    """An on/off environment variable: "1" on, "0" off, unset or empty `default`; any other
+    value is a `ConfigError` naming the variable and its values."""
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ConfigError(name, f"is {value!r}; set 1 (on), 0 (off) or leave it unset")
+
+
 def load_config(path: str | Path, *, overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Read and validate a TOML config. Raises `ConfigError` (naming the key) on any problem.
 

@@ -245,12 +245,9 @@ MASK_AHEAD_ENV = "SECUREVFL_MASK_AHEAD"
 
 def masks_ahead() -> bool:
     """Whether a masking party makes the next call's masks while it waits for that call."""
-    value = os.environ.get(MASK_AHEAD_ENV, "").strip()
-    if value in ("", "0", "1"):
-        return value != "0"
-    from securevfl.errors import ConfigError
+    from securevfl.config import env_switch
 
-    raise ConfigError(MASK_AHEAD_ENV, f"is {value!r}; set 1 (on), 0 (off) or leave it unset")
+    return env_switch(MASK_AHEAD_ENV, default=True)
 
 
 class MaskParty(PartySumStage):

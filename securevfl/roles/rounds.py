@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from securevfl.config import RunConfig
-from securevfl.errors import ConfigError, RunAborted
+from securevfl.config import RunConfig, env_switch
+from securevfl.errors import RunAborted
 from securevfl.methods import SumSpec, method_spec
 from securevfl.roles import protocol as P
 from securevfl.roles.checkpoint import epochs, load_checkpoint, save_checkpoint
@@ -775,12 +774,7 @@ def overlaps_sums(cfg: RunConfig) -> bool:
     (0.98-1.09x the epoch time without it, bench/results/gpu_h100_2026-11-24): a call's
     GPU work is a fraction of a millisecond and launching it is CPU-bound, so the keystream
     thread competes with the launching thread. What is sent is bit-identical either way."""
-    forced = os.environ.get("SECUREVFL_OVERLAP_SUMS", "").strip()
-    if forced in ("", "0", "1"):
-        return forced == "1"
-    raise ConfigError(
-        "SECUREVFL_OVERLAP_SUMS", f"is {forced!r}; set 1 (on), 0 (off) or leave it unset"
-    )
+    return env_switch("SECUREVFL_OVERLAP_SUMS", default=False)
 
 
 def tolerates_dropout(cfg: RunConfig) -> bool:
