@@ -29,7 +29,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import fedbench as F  # noqa: E402
-from fed_central import parse_arm  # noqa: E402
+from fed_central import environment_of, parse_arm, with_overrides  # noqa: E402
 
 # (module, class, function, label): what the roles time
 TIMED = (
@@ -100,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for repeat in range(args.repeats):
         for name, tree, overrides in arms:
-            raw = F.config_raw(ds, aggregation="plain", epochs=args.epochs)
-            env = {k: str(v) for k, v in overrides.items() if k.isupper()}
-            for key, value in overrides.items():
-                if not key.isupper():
-                    section, _, field = key.partition(".")
-                    raw.setdefault(section, {})[field] = value
+            raw = with_overrides(
+                F.config_raw(ds, aggregation="plain", epochs=args.epochs), overrides
+            )
+            env = environment_of(overrides)
             out = args.work / f"{name}-{repeat}"
             timings = out / "timings"
             timings.mkdir(parents=True, exist_ok=True)
