@@ -333,12 +333,14 @@ def party_blocks(fed, ids):
     import numpy as np
     import torch
 
+    from securevfl.methods.blocks.nets import scaled_rows
+
     xs = []
     for name in fed.config.party_names:
         method = fed.party_methods[name]
         held = method.table.has(ids)
         block = np.zeros((len(ids), len(method.table.columns)), dtype=np.float32)
-        block[held] = method._scaled[method.table.positions(ids[held])]
+        block[held] = scaled_rows(method, ids[held])
         xs.append(torch.from_numpy(block))
     return xs, torch.as_tensor(np.asarray(fed.presence(ids), dtype=bool))
 

@@ -28,12 +28,12 @@ from securevfl.methods.base import (
 from securevfl.methods.blocks.batches import count_incomplete, row_chunks
 from securevfl.methods.blocks.evaluation import OutputScores
 from securevfl.methods.blocks.nets import (
-    ScaledBatches,
     Standardizer,
     derived_seed,
     make_optimizer,
     mlp,
     output_dim,
+    scaled_rows,
     table_batches,
     table_class_count,
     task_loss,
@@ -63,15 +63,6 @@ class PendingForward:
     ids: np.ndarray
     out: Any = None
     x: Any = None
-
-
-def scaled_batches(method: Any) -> ScaledBatches:
-    """The method's `ScaledBatches` of its own table and scaler (made again if either was
-    replaced)."""
-    batches = getattr(method, "_batches", None)
-    if batches is None or batches.table is not method.table or batches.scaler is not method.scaler:
-        batches = method._batches = ScaledBatches(method.table, method.scaler)
-    return batches
 
 
 class SplitNNParty(PartyMethod):
@@ -109,7 +100,7 @@ class SplitNNParty(PartyMethod):
         self._pending: dict[int, PendingForward] = {}
 
     def _inputs(self, ids: np.ndarray) -> Any:
-        return torch.from_numpy(scaled_batches(self).rows(ids)).to(self.device)
+        return torch.from_numpy(scaled_rows(self, ids)).to(self.device)
 
     def check_call(
         self,
@@ -295,7 +286,7 @@ class SplitNNActive(ActiveMethod):
         return y, (None if self.own is None else self._own_inputs(ids))
 
     def _own_inputs(self, ids: np.ndarray) -> Any:
-        return torch.from_numpy(scaled_batches(self).rows(ids)).to(self.device)
+        return torch.from_numpy(scaled_rows(self, ids)).to(self.device)
 
     def _head(
         self, ids: np.ndarray, total: np.ndarray, *, train: bool, x: Any = None

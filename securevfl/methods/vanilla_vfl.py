@@ -34,6 +34,7 @@ from securevfl.methods.base import (
 from securevfl.methods.blocks.active import JointHeadActive
 from securevfl.methods.blocks.batches import chunks
 from securevfl.methods.blocks.evaluation import Prediction
+from securevfl.methods.blocks.nets import scaled_rows
 from securevfl.methods.blocks.options import CLASSIFICATION, BlockOptions, check_block_options
 from securevfl.methods.blocks.sums import SumPlan
 from securevfl.methods.plugvfl import PlugVFLParty
@@ -71,8 +72,8 @@ class VanillaVFLParty(PlugVFLParty):
         if not self._fill:
             return super()._inputs(ids)
         held = self.table.has(ids)
-        x = np.zeros((len(ids), self._scaled.shape[1]), dtype=np.float32)
-        x[held] = self._scaled[self.table.positions(ids[held])]
+        x = np.zeros((len(ids), len(self.table.columns)), dtype=np.float32)
+        x[held] = scaled_rows(self, ids[held])
         return torch.from_numpy(x).to(self.device)
 
     def handle(

@@ -151,6 +151,38 @@ def test_scaled_batches_equal_scaling_each_batch_and_follow_a_new_scaler(tmp_pat
     assert calls == [len(memory.ids)]
 
 
+def test_scaled_rows_keeps_one_scaled_table_per_owner_until_its_table_or_scaler_is_replaced(
+    tmp_path, monkeypatch
+):
+    """`scaled_rows`, which every method's party (and the block active party, with its own
+    scaler) reads its inputs through: a new set-up (another scaler or table object) is scaled
+    afresh, the same one is not scaled again, and the values are the scaler's."""
+    from types import SimpleNamespace
+
+    from securevfl.methods.blocks.nets import Standardizer, scaled_rows
+
+    write_table(tmp_path / "data.csv")
+    cfg = config(tmp_path, stream=False)
+    kept = tables.split_federation(cfg, tmp_path / "split")
+    table = tables.load_party_table(kept["bank"], cfg, "bank", chunk_bytes=CHUNK)
+    table.prepare(table.ids[::2])
+    calls = []
+    real = Standardizer.transform
+    monkeypatch.setattr(
+        Standardizer, "transform", lambda self, v: calls.append(len(v)) or real(self, v)
+    )
+    owner = SimpleNamespace(table=table, scaler=Standardizer().fit(table.rows(table.ids)))
+    some = table.ids[:7]
+    for _ in range(3):
+        assert np.array_equal(scaled_rows(owner, some), real(owner.scaler, table.rows(some)))
+    assert calls == [len(table.ids)]
+    owner.scaler = Standardizer().fit(table.rows(table.ids[::3]))  # a new set-up
+    assert np.array_equal(scaled_rows(owner, some), real(owner.scaler, table.rows(some)))
+    other = Standardizer().fit(table.rows(table.ids[1::2]))  # the block active's own scaler
+    assert np.array_equal(scaled_rows(owner, some, scaler=other), real(other, table.rows(some)))
+    assert calls == [len(table.ids)] * 3
+
+
 @pytest.mark.parametrize("method", ["laser", "splitnn"])
 def test_a_file_forced_to_stream_trains_to_the_metrics_of_the_same_file_in_memory(
     tmp_path, monkeypatch, method

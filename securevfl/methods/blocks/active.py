@@ -24,6 +24,7 @@ from securevfl.methods.blocks.nets import (
     derived_seed,
     mlp,
     output_dim,
+    scaled_rows,
     table_class_count,
     task_loss,
 )
@@ -53,7 +54,6 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         self.dead: list[str] = []
         self.own = None
         self.own_scaler = Standardizer()
-        self._own_scaled: np.ndarray | None = None
         if self.own_name is not None:
             self.own = nn.ModuleDict({m: self._own_model(m) for m in self.own_model_names()}).to(
                 self.device
@@ -152,12 +152,8 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         return group_allowed(self.config, group)
 
     def _own_inputs(self, ids: np.ndarray) -> Any:
-        if getattr(self.table, "streamed", False):  # scaled a batch at a time, never whole
-            x = self.own_scaler.transform(self.table.rows(ids))
-            return torch.from_numpy(x).to(self.device)
-        if self._own_scaled is None:
-            self._own_scaled = self.own_scaler.transform(self.table.values)
-        return torch.from_numpy(self._own_scaled[self.table.positions(ids)]).to(self.device)
+        # a streamed table is scaled a batch at a time, never whole
+        return torch.from_numpy(scaled_rows(self, ids, scaler=self.own_scaler)).to(self.device)
 
     def forward_sums(
         self,
@@ -290,7 +286,6 @@ class BlockActive(BlockEvaluation, ActiveMethod):
             from securevfl.methods.blocks.embedding import keep_codes
 
             keep_codes(self.own_scaler, self.table)  # categorical codes stay codes
-            self._own_scaled = None
         for epoch in range(ctx.start_epoch, cfg.epochs):
             started = time.perf_counter()
             for group in self.optimizer.param_groups:
@@ -415,7 +410,6 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         if self.own is not None:
             self.own.load_state_dict(state["own"])
             self.own_scaler.load_state_dict(state["own_scaler"])
-            self._own_scaled = None
 
 
 class JointHeadActive(BlockActive):

@@ -124,6 +124,17 @@ class ScaledBatches:
         return self._scaled[self.table.positions(ids)]
 
 
+def scaled_rows(owner: Any, ids: np.ndarray, *, scaler: Standardizer | None = None) -> np.ndarray:
+    """`scaler.transform(owner.table.rows(ids))` (`scaler` defaults to `owner.scaler`) through
+    the owner's `ScaledBatches`, made again when the owner's table or scaler is another object
+    (a new set-up); a loaded checkpoint's statistics are seen by `ScaledBatches` itself."""
+    scaler = owner.scaler if scaler is None else scaler
+    batches = getattr(owner, "_scaled_batches", None)
+    if batches is None or batches.table is not owner.table or batches.scaler is not scaler:
+        batches = owner._scaled_batches = ScaledBatches(owner.table, scaler)
+    return batches.rows(ids)
+
+
 def float_tensors(arrays: Mapping[str, Any], device: Any) -> dict[str, Any]:
     """Received arrays (sums, gradients) as float32 tensors on `device`, by name."""
     return {

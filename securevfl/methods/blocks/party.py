@@ -18,7 +18,7 @@ import numpy as np
 
 from securevfl.lazy import nn, torch
 from securevfl.methods.base import Operation, PartyMethod, Release, UnknownOperation
-from securevfl.methods.blocks.nets import derived_seed, mlp
+from securevfl.methods.blocks.nets import derived_seed, mlp, scaled_rows
 from securevfl.methods.blocks.options import block_optimizer, fit_scaler, lr_at
 
 if TYPE_CHECKING:
@@ -91,11 +91,6 @@ class BlockParty(PartyMethod):
         from securevfl.methods.blocks.embedding import keep_codes
 
         keep_codes(self.scaler, self.table)  # categorical codes stay codes
-        self._scaled: np.ndarray | ScaledRows = (
-            ScaledRows(self.table, self.scaler)
-            if streamed
-            else self.scaler.transform(self.table.values)
-        )
         self.models = nn.ModuleDict({m: self._model(m) for m in self.model_names()}).to(self.device)
         # DP-SGD ([parties.NAME] dp_sgd) when the role's privacy plan has it: one Opacus
         # optimizer per model (a batch may train only some of a party's models), each step
@@ -132,9 +127,7 @@ class BlockParty(PartyMethod):
         return [self.optimizer]
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
-        if isinstance(self._scaled, ScaledRows):
-            return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
-        return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
+        return torch.from_numpy(scaled_rows(self, ids)).to(self.device)
 
     def handle(
         self, op: str, *, ids: np.ndarray, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]
@@ -208,22 +201,4 @@ class BlockParty(PartyMethod):
             )
         for optimizer, sd in zip(self._optimizers(), saved, strict=True):
             optimizer.load_state_dict(sd)
-        self.scaler.load_state_dict(state["scaler"])
-        if not isinstance(self._scaled, ScaledRows):
-            self._scaled = self.scaler.transform(self.table.values)
-
-
-class ScaledRows:
-    """The scaled rows of a table streamed from disk, as the matrix in memory is indexed
-    (`view[positions]`, `view.shape`): only the rows indexed are read (a batch) and scaled."""
-
-    def __init__(self, table: Any, scaler: Any) -> None:
-        self.table, self.scaler = table, scaler
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self.table), len(self.table.columns))
-
-    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
-        ids = self.table.rowstore.ids_at(np.asarray(positions, dtype=np.int64))
-        return self.scaler.transform(self.table.rows(ids))
+        self.scaler.load_state_dict(state["scaler"])  # `scaled_rows` sees the new statistics

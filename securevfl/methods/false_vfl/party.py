@@ -37,7 +37,7 @@ import numpy as np
 
 from securevfl.lazy import torch
 from securevfl.methods.base import PartyMethod, UnknownOperation
-from securevfl.methods.blocks.nets import Standardizer, derived_seed, float_tensors
+from securevfl.methods.blocks.nets import Standardizer, derived_seed, float_tensors, scaled_rows
 
 METHOD = "false-vfl"
 
@@ -53,7 +53,6 @@ class FalseVFLPartyMethod(PartyMethod):
         # z-scores from the training rows this party holds (the paper z-scores every block)
         # a table streamed from disk: fitted from a column summary, scaled batch by batch
         self.scaler = Standardizer().fit_table(self.table, self.table.held_ids(train))
-        self._scaled = None if self._streamed else self.scaler.transform(self.table.values)
         self.model_cfg = config_from_options(opts)
         self.model = FalseVFLParty(
             len(self.table.columns),
@@ -164,13 +163,7 @@ class FalseVFLPartyMethod(PartyMethod):
                 f"{op} of {int((~held).sum())} rows party {self.name!r} does not hold: a FALSE-VFL "
                 "sum is over the parties holding its rows"
             )
-        if self._scaled is None:
-            return torch.from_numpy(self.scaler.transform(self.table.rows(ids))).to(self.device)
-        return torch.from_numpy(self._scaled[self.table.positions(ids)]).to(self.device)
-
-    @property
-    def _streamed(self) -> bool:
-        return bool(getattr(self.table, "streamed", False))
+        return torch.from_numpy(scaled_rows(self, ids)).to(self.device)
 
     def _inputs(self, ids: np.ndarray, mine: np.ndarray, op: str) -> tuple[Any, Any]:
         """(x [n, d_k], present [n]): this party's z-scored rows where `mine`, zeros elsewhere
@@ -270,8 +263,6 @@ class FalseVFLPartyMethod(PartyMethod):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        if not self._streamed:
-            self._scaled = self.scaler.transform(self.table.values)
+        self.scaler.load_state_dict(state["scaler"])  # `scaled_rows` sees the new statistics
         self.model.generator.set_state(state["generator"])
         self._pending = []
