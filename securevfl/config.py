@@ -351,9 +351,11 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
         {"label_dp", "delta", "accountant", "record_received", "max_epsilon", "noise_seed"},
     )
 
-    from securevfl.methods import method_names, method_spec  # declarations only, no torch
+    from securevfl.methods import known_method, method_names, method_spec  # no torch
 
-    method = r.choice("method", D.method, method_names())
+    method = r.values.get("method", D.method)
+    if not isinstance(method, str) or not known_method(method):
+        r.choice("method", D.method, method_names())  # refuses it, naming every method
     secure_defaults = dict(method_spec(method).secure_defaults)
     method_table = raw.get("method", {})
     if not isinstance(method_table, Mapping):

@@ -59,6 +59,42 @@ def test_config_and_registry_load_no_model_code(tmp_path):
     assert done.stdout.strip() == "[]"
 
 
+def test_a_config_loads_only_its_own_methods_module(tmp_path):
+    """A role parses its config at start-up: only the configured method's module is imported
+    (`a-b` looked for in `a_b`, then `a`, `b`), not every method's; a name found in no such
+    module or unknown loads the whole registry, and an unknown name is still refused naming
+    every method."""
+    body = '[data]\npath = "x.csv"\n[parties.a]\ncolumns = ["X1"]\n[parties.b]\ncolumns = ["X2"]\n'
+    paths = {}
+    for method in ("splitnn", "tabvfl-le", "no-such-method"):
+        paths[method] = tmp_path / f"{method}.toml"
+        paths[method].write_text(f'[run]\nmethod = "{method}"\n' + body)
+    done = _python(
+        f"""
+        import sys
+        from securevfl.config import ConfigError, load_config
+        from securevfl.methods.base import registry
+        paths = { ({k: str(v) for k, v in paths.items()})!r}
+        load_config(paths["splitnn"])
+        print(sorted(registry()))
+        others = ("laser", "vfem", "tabvfl", "ols", "local", "false_vfl", "ridge")
+        print([m for m in others if "securevfl.methods." + m in sys.modules])
+        load_config(paths["tabvfl-le"])
+        print(sorted(registry()))
+        try:
+            load_config(paths["no-such-method"])
+        except ConfigError as exc:
+            print("refused", "vanilla-vfl" in str(exc), "ensemble" in str(exc))
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "['splitnn']"
+    assert lines[1] == "[]"  # no other method's module was imported
+    assert lines[2] == "['splitnn', 'tabvfl', 'tabvfl-le']"
+    assert lines[3] == "refused True True"
+
+
 def test_keys_command_loads_no_model_code(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(
