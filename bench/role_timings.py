@@ -3,10 +3,13 @@ processes `securevfl run` starts) whose roles time a few named functions — a p
 whole answer (call in to contribution out), its method's operations, its sends and receives —
 and report the median wall and CPU (thread) time of each. The timing is put in by a
 `sitecustomize.py` on the roles' PYTHONPATH, not in securevfl's code; it costs a few
-microseconds a call, the same in every arm.
+microseconds a call, the same in every arm. `--detail` also times the parties' checks and
+sums, the aggregator's round and the active party's side (`DETAIL`); a function missing from
+an arm's tree is left untimed there. The table gives, per arm, the median over the roles of a
+kind (party, aggregator, active) of each label's median CPU per call.
 
     python bench/role_timings.py [--data credit_default.csv] [--parties 4] [--epochs 3]
-        [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
+        [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--detail] [--out FILE.json]
 
 An arm is `bench/fed_central.py`'s: the roles run the code in TREE (`.`: this checkout; a copy
 of an older version to compare it) with config keys (section.key=value) or environment
@@ -39,6 +42,29 @@ TIMED = (
     ("transport.peer", "Peer", "recv", "peer.recv"),
     ("transport.hub", "Hub", "send_each", "hub.send_each"),
 )
+# --detail: where a secure mode's extra CPU goes (the party's checks and sums, the aggregator's
+# round, the active party's side)
+DETAIL = (
+    ("securevfl.roles.guard", "CallGuard", "authenticate", "guard.authenticate"),
+    ("securevfl.roles.guard", "CallGuard", "check", "guard.check"),
+    ("securevfl.roles.guard", "CallGuard", "after", "guard.after"),
+    ("securevfl.roles.guard", "FamilyGuard", "admit", "guard.family_admit"),
+    ("securevfl.roles.guard", "FamilyLog", "append", "guard.family_log"),
+    ("securevfl.roles.rounds", "PartyRound", "_model_digest", "guard.model_digest"),
+    ("securevfl.secure_sum", "MaskParty", "protect", "mask.protect"),
+    ("securevfl.secure_sum", "MaskParty", "idle", "mask.idle"),
+    ("securevfl.secure_sum", "CkksParty", "protect", "ckks.protect"),
+    ("securevfl.secure_sum", "CkksParty", "idle", "ckks.idle"),
+    ("securevfl.roles.aggregator", "Aggregator", "_round", "aggregator.round"),
+    ("transport.hub", "Hub", "recv", "hub.recv"),
+    ("transport.hub", "Hub", "_handle", "hub.handle"),
+    ("securevfl.roles.rounds", "AggregatorRound", "accept", "aggregator.accept"),
+    ("securevfl.roles.rounds", "AggregatorRound", "result", "aggregator.result"),
+    ("securevfl.roles.active_round", "ActiveRound", "post", "active.post"),
+    ("securevfl.roles.active_round", "ActiveRound", "_settle", "active.settle"),
+    ("securevfl.secure_sum", "MaskActive", "reveal", "active.mask_reveal"),
+    ("securevfl.secure_sum", "CkksActive", "reveal", "active.ckks_reveal"),
+)
 
 SITECUSTOMIZE = """
 import atexit, importlib, json, os, sys, time
@@ -46,8 +72,10 @@ _OUT = os.environ.get("SECUREVFL_ROLE_TIMINGS")
 if _OUT:
     _T = {}
     def _wrap(module, cls, name, label):
-        owner = getattr(importlib.import_module(module), cls)
-        inner = getattr(owner, name)
+        owner = getattr(importlib.import_module(module), cls, None)
+        inner = getattr(owner, name, None)
+        if inner is None:  # not in this tree (an older copy of the code): not timed
+            return
         def timed(*args, **kwargs):
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
@@ -78,6 +106,30 @@ def summary(samples: list[list[float]]) -> dict[str, float]:
     }
 
 
+def arm_table(runs: list[dict]) -> dict:
+    """One arm's summary: the median party answer CPU (over each party's median), the median
+    epoch, and per "kind/label" (kind: party, aggregator or active) the median over the roles
+    of that kind of their median CPU ms per call."""
+    answers = [
+        role["party.answer"]["cpu_ms_median"]
+        for r in runs
+        for role in r["roles"].values()
+        if "party.answer" in role
+    ]
+    epochs = [e for r in runs for e in (r["epoch_seconds"] or [])]
+    per_label: dict[str, list[float]] = {}
+    for r in runs:
+        for role, labels in r["roles"].items():
+            kind = role if role in ("aggregator", "active") else "party"
+            for label, stats in labels.items():
+                per_label.setdefault(f"{kind}/{label}", []).append(stats["cpu_ms_median"])
+    return {
+        "party_answer_cpu_ms_median": statistics.median(answers) if answers else None,
+        "epoch_s_median": statistics.median(epochs) if epochs else None,
+        "cpu_ms_median": {k: round(statistics.median(v), 4) for k, v in sorted(per_label.items())},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, default=F.CREDIT)
@@ -87,13 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arm", action="append", default=[], help="NAME=TREE[:KEY=VALUE,...]")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "role_timings")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--detail", action="store_true", help="also time the checks, sums and rounds (DETAIL)"
+    )
     args = ap.parse_args(argv)
     arms = [parse_arm(a) for a in args.arm] or [("plain", None, {})]
     ds = F.credit(args.data, parties=args.parties)
     prep = F.prepare(ds, args.work)
     site = args.work / "site"
     site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE % (TIMED,))
+    timed = TIMED + DETAIL if args.detail else TIMED
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE % (timed,))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(site), os.environ.get("PYTHONPATH")])
     )
@@ -131,20 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ok": result.get("ok"),
                 }
             )
-    table = {}
-    for name, _, _ in arms:
-        mine = [r for r in runs if r["arm"] == name]
-        answers = [
-            role["party.answer"]["cpu_ms_median"]
-            for r in mine
-            for role in r["roles"].values()
-            if "party.answer" in role
-        ]
-        epochs = [e for r in mine for e in (r["epoch_seconds"] or [])]
-        table[name] = {
-            "party_answer_cpu_ms_median": statistics.median(answers) if answers else None,
-            "epoch_s_median": statistics.median(epochs) if epochs else None,
-        }
+    table = {name: arm_table([r for r in runs if r["arm"] == name]) for name, _, _ in arms}
     result = {"command": "python " + " ".join(sys.argv), "machine": F.cpu_model()}
     F.write_result({**result, "table": table, "runs": runs}, args.out)
     return 0
