@@ -382,6 +382,9 @@ FAST = DigitsSettings(
 )
 
 
+# a quality experiment (20-30 s on 2 cores): `make test-slow`; in CI the fixed-seed results of
+# every method's example are held by tests/securevfl/test_example_goldens.py
+@pytest.mark.slow
 def test_digits_quick_false_vfl_beats_vanilla_under_mcar5(one_thread):
     res = digits_experiment(
         train_mechanism="mcar5",

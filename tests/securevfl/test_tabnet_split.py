@@ -422,6 +422,9 @@ def test_cross_guest_xor_table() -> None:
 # quick single-process check: pretraining learns, joint latent beats local latents
 
 
+# a quality experiment (20-30 s on 2 cores): `make test-slow`; in CI the fixed-seed results of
+# every method's example are held by tests/securevfl/test_example_goldens.py
+@pytest.mark.slow
 def test_reference_pretrains_and_joint_latent_beats_lt() -> None:
     """Cross-guest XOR, 2 guests (6 columns each), 1400 training rows, paper model sizes
     (n_d 5, n_a 2, 4 steps), batch 64, lr 2e-2, 5 pretraining + 30 fine-tuning epochs, latents

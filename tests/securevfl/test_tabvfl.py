@@ -67,6 +67,9 @@ def test_both_methods_are_found_with_their_declarations():
         le.parse_options({"failure_p": 0.2})  # tabvfl-le's host never holds one guest's output
 
 
+# a quality experiment (20-30 s on 2 cores): `make test-slow`; in CI the fixed-seed results of
+# every method's example are held by tests/securevfl/test_example_goldens.py
+@pytest.mark.slow
 def test_tabvfl_beats_local_tabnets_on_the_cross_guest_table(tmp_path):
     """Cross-guest XOR (2000 rows, 2 guests of 7 columns, label = sign of a product of one
     column of each), 1400 fit rows, paper model sizes, batch 64, lr 2e-2, 3 pretraining + 20
