@@ -28,7 +28,7 @@ class LazyModule:
         module: ModuleType | None = sys.modules.get(self._name)
         # not imported yet, or still being imported (by another thread: import_module waits
         # for it, as the import system does)
-        if module is None or getattr(module.__spec__, "_initializing", False):
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
             module = importlib.import_module(self._name)
         return getattr(module, attr)
 
