@@ -72,7 +72,10 @@ _OUT = os.environ.get("SECUREVFL_ROLE_TIMINGS")
 if _OUT:
     _T = {}
     def _wrap(module, cls, name, label):
-        owner = getattr(importlib.import_module(module), cls, None)
+        try:
+            owner = getattr(importlib.import_module(module), cls, None)
+        except ImportError:
+            owner = None
         inner = getattr(owner, name, None)
         if inner is None:  # not in this tree (an older copy of the code): not timed
             return

@@ -34,6 +34,7 @@ from securevfl.methods.base import (
 
 ENTRY_POINT_GROUP = "securevfl.methods"
 _LOADED = False
+_ENTRY_POINTS_LOADED = False
 
 
 def _specs_of(obj: Any) -> Iterable[MethodSpec]:
@@ -75,6 +76,17 @@ def _load_builtin() -> None:
         module = importlib.import_module(f"{__name__}.{info.name}")
         for spec in _specs_of(module):
             register_method(spec)
+    _load_entry_points()
+
+
+def _load_entry_points() -> None:
+    """Register the methods of other distributions (entry points), once: also when a config's
+    method was found among the built-ins, so that a plugin declaring a built-in's name is
+    refused as before (`register_method`: registered twice), never silently ignored."""
+    global _ENTRY_POINTS_LOADED
+    if _ENTRY_POINTS_LOADED:
+        return
+    _ENTRY_POINTS_LOADED = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         for spec in _specs_of(ep.load()):
             register_method(spec)
@@ -86,16 +98,23 @@ def _load_named(name: str) -> None:
     ``ols``). A role then imports its own method's module only, not every method's (a tenth of
     a second of start-up per process); a name found nowhere loads everything
     (`_load_builtin`), entry points included."""
-    if not isinstance(name, str) or not name.replace("-", "").isidentifier():
+    if not isinstance(name, str) or not name.replace("-", "").isidentifier() or len(name) > 100:
         return
     here = Path(__file__).parent
+    found = {info.name for info in pkgutil.iter_modules(__path__)}  # exact names, any file system
     for guess in dict.fromkeys([name.replace("-", "_"), *name.split("-")]):
-        if guess.startswith("_") or not guess.isidentifier():
+        if guess.startswith("_") or guess not in found:
             continue
-        source = here / guess / "__init__.py" if (here / guess).is_dir() else here / f"{guess}.py"
-        if not source.is_file() or not _declares_a_method(source):
+        try:
+            source = (
+                here / guess / "__init__.py" if (here / guess).is_dir() else here / f"{guess}.py"
+            )
+            if not _declares_a_method(source):
+                continue
+            module = importlib.import_module(f"{__name__}.{guess}")
+        except (OSError, ImportError):  # not a method module after all: the full load decides
             continue
-        for spec in _specs_of(importlib.import_module(f"{__name__}.{guess}")):
+        for spec in _specs_of(module):
             register_method(spec)
         if name in registry():
             return
@@ -105,7 +124,9 @@ def known_method(name: str) -> bool:
     """Whether `name` is a registered method (its own module loaded first, then everything)."""
     if name not in registry():
         _load_named(name)
-    if name not in registry():
+    if name in registry():
+        _load_entry_points()  # a plugin of the same name is refused here, as before
+    else:
         _load_builtin()
     return name in registry()
 

@@ -31,6 +31,7 @@ def test_the_sitecustomize_times_calls_in_a_role_process_and_writes_them_by_role
         ("json", "JSONEncoder", "encode", "json.encode"),
         ("json", "JSONEncoder", "no_such_function", "absent"),  # an older tree: left untimed
         ("json", "NoSuchClass", "encode", "absent too"),
+        ("no_such_module_here", "Cls", "f", "absent three"),
     )
     (site / "sitecustomize.py").write_text(role_timings.SITECUSTOMIZE % (spec,))
     out = tmp_path / "timings"

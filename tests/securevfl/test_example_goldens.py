@@ -47,6 +47,9 @@ def _numbers(value: Any) -> Any:
 
 
 def run_example(name: str, directory: Path) -> dict[str, Any]:
+    """The example's results, computed with one torch thread (as recorded), restored after."""
+    import torch
+
     from securevfl.config import parse_config
     from securevfl.direct import DirectFederation
     from tests.securevfl.conftest import permissive_policy
@@ -54,8 +57,13 @@ def run_example(name: str, directory: Path) -> dict[str, Any]:
     raw = method_spec(name).example(directory)
     raw.setdefault("run", {}).update(aggregation="plain")
     cfg = parse_config(permissive_policy(raw), source=directory / "config.toml")
-    fed = DirectFederation(cfg, run_dir=directory / "run")
-    metrics = fed.run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fed = DirectFederation(cfg, run_dir=directory / "run")
+        metrics = fed.run()
+    finally:
+        torch.set_num_threads(threads)
     return {"test": _numbers(metrics), "history": _numbers(list(fed.history))}
 
 

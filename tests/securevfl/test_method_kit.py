@@ -66,8 +66,8 @@ def test_a_config_loads_only_its_own_methods_module(tmp_path):
     every method."""
     body = '[data]\npath = "x.csv"\n[parties.a]\ncolumns = ["X1"]\n[parties.b]\ncolumns = ["X2"]\n'
     paths = {}
-    for method in ("splitnn", "tabvfl-le", "no-such-method"):
-        paths[method] = tmp_path / f"{method}.toml"
+    for method in ("splitnn", "tabvfl-le", "no-such-method", "x" * 300, "SplitNN"):
+        paths[method] = tmp_path / f"config-{len(paths)}.toml"
         paths[method].write_text(f'[run]\nmethod = "{method}"\n' + body)
     done = _python(
         f"""
@@ -77,14 +77,16 @@ def test_a_config_loads_only_its_own_methods_module(tmp_path):
         paths = { ({k: str(v) for k, v in paths.items()})!r}
         load_config(paths["splitnn"])
         print(sorted(registry()))
-        others = ("laser", "vfem", "tabvfl", "ols", "local", "false_vfl", "ridge")
+        others = ("laser", "vfem", "tabvfl", "ols", "local", "false_vfl", "ridge", "plugvfl",
+              "vanilla_vfl", "standard_vfl", "combinatorial")
         print([m for m in others if "securevfl.methods." + m in sys.modules])
         load_config(paths["tabvfl-le"])
         print(sorted(registry()))
-        try:
-            load_config(paths["no-such-method"])
-        except ConfigError as exc:
-            print("refused", "vanilla-vfl" in str(exc), "ensemble" in str(exc))
+        for bad in ("no-such-method", "x" * 300, "SplitNN"):
+            try:
+                load_config(paths[bad])
+            except ConfigError as exc:
+                print("refused", "vanilla-vfl" in str(exc), "ensemble" in str(exc))
         """
     )
     assert done.returncode == 0, done.stderr
@@ -92,7 +94,31 @@ def test_a_config_loads_only_its_own_methods_module(tmp_path):
     assert lines[0] == "['splitnn']"
     assert lines[1] == "[]"  # no other method's module was imported
     assert lines[2] == "['splitnn', 'tabvfl', 'tabvfl-le']"
-    assert lines[3] == "refused True True"
+    assert lines[3:] == ["refused True True"] * 3  # too long, wrong case: refused, no traceback
+
+
+def test_a_plugin_declaring_a_built_in_name_is_refused_when_that_method_is_looked_up(tmp_path):
+    """A config naming a built-in method loads only that module, and still the entry points:
+    a plugin that declares the same name is refused (registered twice), never silently
+    ignored or preferred."""
+    (tmp_path / "shadow_method.py").write_text(
+        "from securevfl.methods import MethodSpec\n"
+        "SPEC = MethodSpec(name='ridge', active='securevfl.methods.ridge:RidgeActive',\n"
+        "                  party='securevfl.methods.ridge:RidgeParty', tasks=('regression',))\n"
+    )
+    dist = tmp_path / "shadow_method-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: shadow-method\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[securevfl.methods]\nridge = shadow_method:SPEC\n")
+    done = _python(
+        """
+        from securevfl.methods import method_spec
+        method_spec("ridge")
+        """,
+        PYTHONPATH=f"{tmp_path}:{REPO}",
+    )
+    assert done.returncode != 0
+    assert "method 'ridge' is registered twice" in done.stderr
 
 
 def test_keys_command_loads_no_model_code(tmp_path):

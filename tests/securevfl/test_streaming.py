@@ -181,6 +181,11 @@ def test_scaled_rows_keeps_one_scaled_table_per_owner_until_its_table_or_scaler_
     other = Standardizer().fit(table.rows(table.ids[1::2]))  # the block active's own scaler
     assert np.array_equal(scaled_rows(owner, some, scaler=other), real(other, table.rows(some)))
     assert calls == [len(table.ids)] * 3
+    # another table object (a new set-up, or the table scored after training): scaled afresh
+    owner.table = tables.load_party_table(kept["bank"], cfg, "bank", chunk_bytes=CHUNK)
+    owner.table.prepare(owner.table.ids[::2])
+    assert np.array_equal(scaled_rows(owner, some), real(owner.scaler, owner.table.rows(some)))
+    assert calls == [len(table.ids)] * 4
 
 
 @pytest.mark.parametrize("method", ["laser", "splitnn"])
