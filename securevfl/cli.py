@@ -264,8 +264,12 @@ def entry() -> None:
     line); what Python's own exit does first — the exit hooks, the join of every non-daemon
     thread and the pools' shut-down — still runs, then only the deallocation is skipped."""
     argv = sys.argv[1:]
-    status = main(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    if command in ("active", "party"):  # collector off until the role has set up
+        from securevfl import startup_gc
+
+        startup_gc.begin()
+    status = main(argv)
     if command in ROLE_PROCESSES:
         _exit_without_teardown(status)
     raise SystemExit(status)

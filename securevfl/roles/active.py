@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from securevfl import startup_gc
 from securevfl.config import RunConfig
 from securevfl.data.table import ActiveTable, stratified, train_test_split
 from securevfl.methods import method_spec
@@ -97,7 +98,11 @@ def run_active(
         train_ids, test_ids, test = train_and_evaluate(ctx, train_ids=train_ids, test_ids=test_ids)
         stats_env = _bye(conn, ctx, cfg)
         roles = dict(stats_env.meta.get("stats", {}))
-        roles[cfg.active_name] = {**conn.stats(), "auth_seconds": round(ctx.auth_seconds, 6)}
+        roles[cfg.active_name] = {
+            **conn.stats(),
+            "auth_seconds": round(ctx.auth_seconds, 6),
+            **startup_gc.stats(),
+        }
         metrics = {
             "method": cfg.method,
             "aggregation": cfg.aggregation,

@@ -9,6 +9,7 @@ import secrets as pysecrets
 from pathlib import Path
 from typing import Any
 
+from securevfl import startup_gc
 from securevfl.config import RunConfig
 from securevfl.errors import BudgetExceeded, KeyMaterialError, PolicyRefusal, exit_code_for
 from securevfl.methods import method_spec
@@ -91,6 +92,7 @@ class PassiveParty:
                 stats = {
                     **self.conn.stats(),
                     "guard_seconds": round(rounds.guard.seconds, 6),
+                    **startup_gc.stats(),
                     **getattr(rounds.stage, "stats", dict)(),
                 }
                 self.conn.send(
@@ -126,6 +128,7 @@ class PassiveParty:
                 continue
             self.last_round = env.round
             self.conn.send(reply)
+            startup_gc.end()  # set up (the first call answered): the collector runs again
             # sent; until the next call the sum stage may work ahead (CKKS: encryptions of zero)
             getattr(rounds.stage, "idle", lambda: None)()
 

@@ -111,6 +111,18 @@ def test_every_role_is_its_own_process_and_reports_bytes(demo_runs):
     assert roles["mean"]["bytes_sent"] > 1.5 * plain_sent
 
 
+def test_role_processes_start_with_the_collector_off_and_run_it_again_once_set_up(demo_runs):
+    """`securevfl.startup_gc`: the active party and every passive party process turned the
+    garbage collector off for its start-up and on again after its set-up, freezing the
+    start-up's objects; the threads of an in-process run keep the collector as it was."""
+    roles = demo_runs["mask"][0]["roles"]
+    for name in ("active", "mean", "error", "worst"):
+        assert roles[name]["gc"]["enabled"] is True, (name, roles[name]["gc"])
+        assert roles[name]["gc"]["frozen"] > 10_000, (name, roles[name]["gc"])  # torch & co.
+    inproc = demo_runs["plain"][0]["roles"]  # threads of this test's own process
+    assert all(r["gc"]["frozen"] == 0 for n, r in inproc.items() if "gc" in r), inproc
+
+
 def test_each_party_reads_only_its_own_file(demo_runs):
     _, _, d = demo_runs["mask"]
     header = (d / "run" / "data" / "mean.csv").read_text().splitlines()[0].split(",")
