@@ -790,17 +790,19 @@ def _run_model_role(
         "logger": logger,
         "device": device,
     }
-    if args.command == "active" and args.score:
-        from securevfl.roles.active import run_active_scoring
+    from securevfl import startup_gc
 
-        predictions = args.predictions or run_dir / "predict" / "predictions.csv"
-        return run_active_scoring(cfg, predictions=predictions, **where)
     if args.command == "active":
-        from securevfl.roles.active import run_active
+        from securevfl.roles.active import run_active, run_active_scoring
 
+        startup_gc.end()  # imported: the collector runs again before any data is read
+        if args.score:
+            predictions = args.predictions or run_dir / "predict" / "predictions.csv"
+            return run_active_scoring(cfg, predictions=predictions, **where)
         return run_active(cfg, resume=args.resume, **where)
     from securevfl.roles.party import run_party
 
+    startup_gc.end()
     return run_party(cfg, name=role, scoring=args.score, device_time=clock, **where)
 
 

@@ -14,7 +14,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from securevfl import startup_gc
 from securevfl.config import RunConfig
 from securevfl.data.rowarrays import PresenceRows, filter_ids
 from securevfl.errors import RunAborted
@@ -605,7 +604,6 @@ def train_and_evaluate(
     """Set-up, training and evaluation of the method over `ctx`; returns the training and test
     rows used (rows no passive party holds are dropped) and the test metrics."""
     ctx.setup(train_ids=train_ids)
-    startup_gc.end()  # set up: the collector runs again (off since a role process started)
     unheld = ctx.unheld_rows()
     if unheld and method_spec(ctx.config.method).uses_unheld_rows:
         ctx.logger.info("%d rows are held by no passive party; the method uses them", unheld)
@@ -630,6 +628,5 @@ def score(ctx: ActiveRound) -> tuple[np.ndarray, np.ndarray]:
     method's `predict` on the rows some passive party holds. Returns (ids, outputs)."""
     ids = ctx.method.table.ids
     ctx.setup(train_ids=ids, scoring=True)
-    startup_gc.end()
     ids = ctx.held_rows(ids)
     return ids, np.asarray(ctx.method.predict(ctx, ids=ids))

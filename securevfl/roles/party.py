@@ -128,7 +128,6 @@ class PassiveParty:
                 continue
             self.last_round = env.round
             self.conn.send(reply)
-            startup_gc.end()  # set up (the first call answered): the collector runs again
             # sent; until the next call the sum stage may work ahead (CKKS: encryptions of zero)
             getattr(rounds.stage, "idle", lambda: None)()
 

@@ -113,8 +113,8 @@ def test_every_role_is_its_own_process_and_reports_bytes(demo_runs):
 
 def test_role_processes_start_with_the_collector_off_and_run_it_again_once_set_up(demo_runs):
     """`securevfl.startup_gc`: the active party and every passive party process turned the
-    garbage collector off for its start-up and on again after its set-up, freezing the
-    start-up's objects; the threads of an in-process run keep the collector as it was."""
+    garbage collector off for its imports and on again before reading its data, freezing the
+    imported objects; the threads of an in-process run keep the collector as it was."""
     roles = demo_runs["mask"][0]["roles"]
     for name in ("active", "mean", "error", "worst"):
         assert roles[name]["gc"]["enabled"] is True, (name, roles[name]["gc"])
