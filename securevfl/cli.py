@@ -265,7 +265,7 @@ def entry() -> None:
     thread and the pools' shut-down — still runs, then only the deallocation is skipped."""
     argv = sys.argv[1:]
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command in ("active", "party"):  # collector off until the role has set up
+    if command in ("active", "party"):  # collector off until its modules are imported
         from securevfl import startup_gc
 
         startup_gc.begin()

@@ -66,17 +66,22 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    here = Path(__file__).parent
-    for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("_"):
-            continue
-        source = here / info.name / "__init__.py" if info.ispkg else here / f"{info.name}.py"
-        if not _declares_a_method(source):
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for spec in _specs_of(module):
-            register_method(spec)
+    for name, ispkg in _builtin_modules().items():
+        _register_module(name, ispkg)
     _load_entry_points()
+
+
+def _builtin_modules() -> dict[str, bool]:
+    """This package's modules (name -> is a package), private ones left out."""
+    return {i.name: i.ispkg for i in pkgutil.iter_modules(__path__) if not i.name.startswith("_")}
+
+
+def _register_module(name: str, ispkg: bool) -> None:
+    """Import and register built-in module `name` if its source declares a method."""
+    here = Path(__file__).parent
+    if _declares_a_method(here / name / "__init__.py" if ispkg else here / f"{name}.py"):
+        for spec in _specs_of(importlib.import_module(f"{__name__}.{name}")):
+            register_method(spec)
 
 
 def _load_entry_points() -> None:
@@ -98,26 +103,12 @@ def _load_named(name: str) -> None:
     ``ols``). A role then imports its own method's module only, not every method's (a tenth of
     a second of start-up per process); a name found nowhere loads everything
     (`_load_builtin`), entry points included."""
-    if not isinstance(name, str) or not name.replace("-", "").isidentifier() or len(name) > 100:
-        return
-    here = Path(__file__).parent
-    found = {info.name for info in pkgutil.iter_modules(__path__)}  # exact names, any file system
+    modules = _builtin_modules()  # exact module names: nothing else reaches the file system
     for guess in dict.fromkeys([name.replace("-", "_"), *name.split("-")]):
-        if guess.startswith("_") or guess not in found:
-            continue
-        try:
-            source = (
-                here / guess / "__init__.py" if (here / guess).is_dir() else here / f"{guess}.py"
-            )
-            if not _declares_a_method(source):
-                continue
-            module = importlib.import_module(f"{__name__}.{guess}")
-        except (OSError, ImportError):  # not a method module after all: the full load decides
-            continue
-        for spec in _specs_of(module):
-            register_method(spec)
-        if name in registry():
-            return
+        if guess in modules:
+            _register_module(guess, modules[guess])
+            if name in registry():
+                return
 
 
 def known_method(name: str) -> bool:
