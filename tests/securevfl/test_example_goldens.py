@@ -5,8 +5,11 @@ cover every method with an example (FALSE-VFL, TabVFL, TabVFL-LE, vanilla-VFL, r
 included), in a few seconds, so a change of what any method computes fails here in CI, while
 the long quality experiments (`-m slow`) show that the methods learn what their papers say.
 
-Tolerance 1e-6 relative (the runs are deterministic: a fixed seed, one thread). Regenerate only
-when a change of results is intended, and say why in the commit:
+Tolerance 1e-6 relative (the runs are deterministic on one machine: a fixed seed, one thread),
+1e-4 for TabNet's blocks (`_TOLERANCE`): their float32 kernels round differently on another CPU
+(measured: TabVFL's loss 1.2e-5 apart between the AMD EPYC host that recorded the goldens and an
+Intel Xeon one; every other method within 4e-7). Regenerate only when a change of results is
+intended, and say why in the commit:
 
     python tests/securevfl/test_example_goldens.py --write
 """
@@ -31,6 +34,7 @@ from securevfl.methods import method_names, method_spec  # noqa: E402
 GOLDENS = Path(__file__).with_name("example_goldens.json")
 NAMES = [n for n in method_names() if method_spec(n).example is not None]
 _TIMING = ("second", "per_s")  # wall-clock statistics of an epoch: not part of the result
+_TOLERANCE = {"tabvfl": 1e-4, "tabvfl-le": 1e-4}  # relative; every other method 1e-6
 
 
 def _numbers(value: Any) -> Any:
@@ -67,19 +71,19 @@ def run_example(name: str, directory: Path) -> dict[str, Any]:
     return {"test": _numbers(metrics), "history": _numbers(list(fed.history))}
 
 
-def _close(a: Any, b: Any, where: str) -> None:
+def _close(a: Any, b: Any, where: str, tol: float = 1e-6) -> None:
     if isinstance(b, dict):
         assert isinstance(a, dict) and set(a) == set(b), f"{where}: keys differ"
         for k in b:
-            _close(a[k], b[k], f"{where}.{k}")
+            _close(a[k], b[k], f"{where}.{k}", tol)
     elif isinstance(b, list):
         assert isinstance(a, list) and len(a) == len(b), f"{where}: lengths differ"
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _close(x, y, f"{where}[{i}]")
+            _close(x, y, f"{where}[{i}]", tol)
     elif math.isnan(b):
         assert math.isnan(a), f"{where}: {a} != golden nan"
     else:
-        assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), f"{where}: {a} != golden {b}"
+        assert abs(a - b) <= tol * max(1.0, abs(b)), f"{where}: {a} != golden {b}"
 
 
 def test_every_method_with_an_example_has_a_golden() -> None:
@@ -91,7 +95,17 @@ def test_an_examples_fixed_seed_results_equal_the_recorded_ones(name: str, tmp_p
     golden = json.loads(GOLDENS.read_text())[name]
     got = run_example(name, tmp_path)
     assert got["history"], f"{name}: the example recorded no epoch"
-    _close(got, golden, name)
+    _close(got, golden, name, _TOLERANCE.get(name, 1e-6))
+
+
+def test_the_golden_comparison_fails_beyond_its_tolerance() -> None:
+    golden = {"loss": [1.0, 2.0]}
+    _close({"loss": [1.0, 2.0 + 1e-6]}, golden, "x")
+    with pytest.raises(AssertionError, match="golden 2.0"):
+        _close({"loss": [1.0, 2.0 + 3e-6]}, golden, "x")
+    _close({"loss": [1.0, 2.0 + 1e-4]}, golden, "x", 1e-4)
+    with pytest.raises(AssertionError):
+        _close({"loss": [1.0, 2.0 + 3e-4]}, golden, "x", 1e-4)
 
 
 if __name__ == "__main__" and "--write" in sys.argv:
