@@ -80,8 +80,8 @@ federation the aggregator sees every ciphertext and the parties receive values d
 decrypted sums (gradients), so :class:`DecryptionRelease` floods each decrypted value with
 Gaussian noise of standard deviation ``2**flood_bits`` times :func:`error_bound` (a
 high-probability bound on the decryption error of a sum of ``terms`` fresh ciphertexts), from a
-generator seeded by the operating system's CSPRNG, then rounds it to ``2**-precision_bits``.
-The per-value statistical distance to a flooded exact value is at most about
+cryptographic generator keyed by the operating system's CSPRNG, then rounds it to
+``2**-precision_bits``. The per-value statistical distance to a flooded exact value is at most about
 ``2**-flood_bits`` (the bound is ~15x the error's standard deviation without a special prime,
 so ~2**-14 in practice, and more with one): a mitigation
 sized so that training is unaffected, not the ~2**-40 flooding of a formal IND-CPA^D proof,
@@ -109,6 +109,8 @@ from typing import Any
 
 import numpy as np
 import tenseal.sealapi as sealapi  # SEAL itself: contexts, keys, complex slots, encrypt_zero
+
+from crypto.prg import random_uint64
 
 __all__ = [
     "MAX_COEFF_MODULUS_BITS",
@@ -1183,10 +1185,10 @@ def error_bound(params: CkksParams, *, terms: int = 1) -> float:
 
 
 def csprng_normal(shape: tuple[int, ...]) -> np.ndarray:
-    """Standard normal float64 values from the operating system's CSPRNG (os.urandom: 53-bit
-    uniforms, Box-Muller)."""
+    """Standard normal float64 values from a cryptographic generator (``crypto.prg``'s
+    ``random_uint64``: AES-128-CTR keyed by os.urandom; 53-bit uniforms, Box-Muller)."""
     n = math.prod(shape)
-    bits = np.frombuffer(os.urandom(16 * ((n + 1) // 2)), dtype=np.uint64) >> np.uint64(11)
+    bits = random_uint64(2 * ((n + 1) // 2)) >> np.uint64(11)
     u = (bits.astype(np.float64) + 0.5) / 2.0**53  # in (0, 1)
     u1, u2 = u[0::2], u[1::2]
     radius = np.sqrt(-2.0 * np.log(u1))

@@ -50,6 +50,9 @@ MASK_CHUNK_WORDS = 1 << 15
 MAX_PREPARED = 8
 # rounds of a session whose masked domains the replay guard remembers (older ones are refused)
 REPLAY_WINDOW = 1024
+# the domains of the latest calls, kept resolved (checked, encoded, digested): a party masks
+# the same sums every batch, one round on
+_RESOLVED_DOMAINS = 16
 # Encrypting zeros yields the raw keystream: one shared read-only block is the input.
 _ZEROS = memoryview(bytes(8 * MASK_CHUNK_WORDS))
 assert MASK_CHUNK_WORDS <= MAX_FILL_WORDS
@@ -238,6 +241,8 @@ class MaskedSumParty:
         self._keypair = keypair
         self._peer_publics = peers
         self._pair_keys: dict[str, bytes] = {}
+        # (round, group, sizes) -> (domain, its encoding, its digest) of the latest calls
+        self._resolved: dict[tuple, tuple[MaskDomain | MaskCallDomain, bytes, bytes]] = {}
         # replay guard: session -> round -> digests of the domains masked in that round. Only
         # the latest REPLAY_WINDOW rounds of a session are kept; an older round is refused
         # outright (its floor), so the guard stays bounded over a run of any length
@@ -306,9 +311,33 @@ class MaskedSumParty:
             session=self.session, round=round, group=members, tensors=tuple(sizes.items())
         )
 
-    def _streams(self, domain: MaskDomain | MaskCallDomain) -> list[tuple[bytes, bool]]:
-        """(stream key, add?) per other member: add if this party's name sorts first."""
+    def _resolve(
+        self, round: int, group: Sequence[str], sizes: Mapping[str, int]
+    ) -> tuple[MaskDomain | MaskCallDomain, bytes, bytes]:
+        """The call's domain (after every check of :meth:`call_domain` and the encoder's
+        ``check_terms``), its encoding and its digest. The latest ones are kept, so the same
+        sums one round on are not checked, encoded and digested again in :meth:`prepare` and
+        then in :meth:`mask_many`."""
+        memo = None
+        if type(round) is int and isinstance(group, tuple | list) and isinstance(sizes, dict):
+            memo = (round, tuple(group), tuple(sizes.items()))
+            found = self._resolved.get(memo)
+            if found is not None:
+                return found
+        domain = self.call_domain(round=round, group=group, sizes=sizes)
+        self.encoder.check_terms(len(domain.group))
         domain_bytes = domain.encode()
+        resolved = (domain, domain_bytes, hashlib.blake2b(domain_bytes, digest_size=16).digest())
+        if memo is not None:
+            if len(self._resolved) >= _RESOLVED_DOMAINS:
+                del self._resolved[next(iter(self._resolved))]
+            self._resolved[memo] = resolved
+        return resolved
+
+    def _streams(
+        self, domain: MaskDomain | MaskCallDomain, domain_bytes: bytes
+    ) -> list[tuple[bytes, bool]]:
+        """(stream key, add?) per other member: add if this party's name sorts first."""
         return [
             (stream_key(pair_key=self._pair_key(peer), domain=domain_bytes), self.name < peer)
             for peer in domain.group
@@ -388,12 +417,9 @@ class MaskedSumParty:
         if not isinstance(xs, Mapping):
             raise TypeError(f"xs must map tensor names to arrays, got {type(xs).__name__}")
         arrays = {tensor: self.encoder.check_dtype(x) for tensor, x in xs.items()}
-        domain = self.call_domain(
-            round=round, group=group, sizes={tensor: x.size for tensor, x in arrays.items()}
+        domain, domain_bytes, digest = self._resolve(
+            round, group, {tensor: x.size for tensor, x in arrays.items()}
         )
-        self.encoder.check_terms(len(domain.group))
-        domain_bytes = domain.encode()
-        digest = hashlib.blake2b(domain_bytes, digest_size=16).digest()
         self._check_unused(domain, digest)
         names = sorted(arrays)
         inputs = [arrays[tensor].reshape(-1) for tensor in names]
@@ -413,7 +439,7 @@ class MaskedSumParty:
         if out is None:
             out = net if net is not None else np.empty(total, dtype=np.uint64)
         flat_out = out.reshape(-1)
-        streams = [] if net is not None else self._streams(domain)
+        streams = [] if net is not None else self._streams(domain, domain_bytes)
         refused = self._run_fused(inputs, offsets, flat_out, streams, net, in_place)
         if refused >= 0:
             flat_out.fill(0)  # no partly masked data may escape; the domain stays usable
@@ -492,14 +518,12 @@ class MaskedSumParty:
         negative sizes, a domain already masked under, and more than
         :data:`MAX_PREPARED` pending preparations (each holds ``8 * sum(sizes)`` bytes).
         """
-        domain = self.call_domain(round=round, group=group, sizes=sizes)
-        self.encoder.check_terms(len(domain.group))
+        domain, domain_bytes, digest = self._resolve(round, group, sizes)
         total = 0
         for tensor, size in sizes.items():
             if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
                 raise ValueError(f"size of tensor {tensor!r} must be a non-negative int")
             total += int(size)
-        digest = hashlib.blake2b(domain.encode(), digest_size=16).digest()
         self._check_unused(domain, digest)
         stale = self._prepared.pop(digest, None)
         if stale is not None:
@@ -511,7 +535,7 @@ class MaskedSumParty:
             raise ValueError(
                 f"{MAX_PREPARED} preparations are already pending; mask or close() first"
             )
-        streams = self._streams(domain)  # pair keys derived here: the worker only reads
+        streams = self._streams(domain, domain_bytes)  # keys derived here: the worker only reads
         net = np.empty(total, dtype=np.uint64)
         if inline:
             future: Future[None] = Future()

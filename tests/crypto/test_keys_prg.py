@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import hmac
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,7 +16,13 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from crypto.keys import MaskingKeyPair, pair_key
-from crypto.prg import KEYSTREAM_CHUNK_WORDS, Keystream, keystream_uint64, stream_key
+from crypto.prg import (
+    KEYSTREAM_CHUNK_WORDS,
+    Keystream,
+    keystream_uint64,
+    random_uint64,
+    stream_key,
+)
 
 CRYPTO_DIR = pathlib.Path(__file__).resolve().parents[2] / "crypto"
 
@@ -187,3 +194,53 @@ def test_importing_crypto_pulls_in_no_ml_transport_or_engine_modules() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_random_words_are_fresh_uniform_and_refuse_a_negative_count() -> None:
+    a, b = random_uint64(4096), random_uint64(4096)
+    assert a.dtype == np.uint64 and a.shape == (4096,)
+    assert not np.array_equal(a, b)
+    # each bit is set about half the time (4096 * 64 bits: 6 standard deviations is 0.0023)
+    bits = np.unpackbits(np.concatenate([a, b]).view(np.uint8))
+    assert abs(bits.mean() - 0.5) < 0.0025
+    assert random_uint64(0).size == 0
+    with pytest.raises(ValueError, match="non-negative"):
+        random_uint64(-1)
+
+
+def test_random_words_are_not_repeated_by_a_forked_child() -> None:
+    random_uint64(8)  # the parent's generator is keyed before the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next words, to the parent, then out at once
+        try:
+            os.write(write, random_uint64(64).tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = b""
+    while len(child) < 512:
+        chunk = os.read(read, 512 - len(child))
+        if not chunk:
+            break
+        child += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    parent = random_uint64(64).tobytes()
+    assert len(child) == 512 and child != parent
+
+
+def test_random_words_from_several_threads_are_all_distinct() -> None:
+    import threading
+
+    out: list[np.ndarray] = []
+    def draw() -> None:
+        out.append(random_uint64(1 << 15))
+
+    threads = [threading.Thread(target=draw) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    words = np.concatenate(out)
+    assert np.unique(words).size == words.size
