@@ -128,6 +128,8 @@ __all__ = [
     "CkksParams",
     "CkksPublic",
     "DEFAULT_CKKS_PARAMS",
+    "ENCODING_COEFFICIENTS",
+    "ENCODING_SLOTS",
     "PackedCiphertexts",
     "choose_params",
     "context_fingerprint",
@@ -150,6 +152,10 @@ MAX_COEFF_MODULUS_BITS: dict[int, dict[int, int]] = {
     192: {1024: 19, 2048: 37, 4096: 75, 8192: 152, 16384: 305, 32768: 611},
     256: {1024: 14, 2048: 29, 4096: 58, 8192: 118, 16384: 237, 32768: 476},
 }
+
+#: How values sit in a ciphertext (:attr:`CkksParams.encoding`).
+ENCODING_COEFFICIENTS = "coefficients"
+ENCODING_SLOTS = "slots"
 
 #: Wire formats of a ciphertext chunk (see ``_CkksCodec``): coefficients copied out of SEAL's
 #: memory in as many bytes as each prime needs (default), or SEAL's own serialisation.
@@ -261,8 +267,21 @@ class CkksParams:
 
     @property
     def slots(self) -> int:
-        """Number of real values one ciphertext carries: two per complex CKKS slot."""
+        """Number of real values one ciphertext carries: one per coefficient, or two per
+        complex CKKS slot (see :attr:`encoding`)."""
         return self.poly_modulus_degree
+
+    @property
+    def encoding(self) -> str:
+        """How values sit in a ciphertext, decided by the parameters so that every role agrees:
+        :data:`ENCODING_COEFFICIENTS` (one value per coefficient of the plaintext polynomial)
+        where the data modulus is one prime, else :data:`ENCODING_SLOTS` (two values per
+        complex slot, SEAL's CKKS encoder). Sums only add, so they need no slots: the
+        coefficient form skips the encoder's FFTs at every encryption and decryption and its
+        error is about sqrt(N/2) times smaller (see :func:`error_bound`). A chain of several
+        data primes keeps the slots: reading a coefficient back would need a CRT of the
+        primes, where SEAL's decoder does it."""
+        return ENCODING_COEFFICIENTS if self.data_primes == 1 else ENCODING_SLOTS
 
     @property
     def data_primes(self) -> int:
@@ -372,17 +391,22 @@ def choose_params(
     terms: int,
     flood_bits: int = 10,
     security_bits: int = 128,
+    min_degree: int = 1024,
 ) -> CkksSizing:
     """The smallest CKKS parameters for sums of ``terms`` contributions with ``|x| <=
     magnitude``, released to ``precision_bits`` bits after the point with ``flood_bits`` of
-    flooding (see :class:`DecryptionRelease`), at ``security_bits`` (128, 192 or 256).
+    flooding (see :class:`DecryptionRelease`), at ``security_bits`` (128, 192 or 256), of
+    degree ``min_degree`` or more (a sum of many values costs about the same per value at any
+    degree, but each ciphertext chunk has its own fixed costs).
 
-    Smallest degree first, then the shortest chain: a scale just large enough for the
-    precision (by :func:`error_bound`), the fewest data primes whose product just holds the
-    scale plus the sum's integer bits (split evenly: no prime needs to match the scale, since
-    sums never rescale), and no special prime (sums never key-switch; :func:`error_bound` is the
-    noise of an encryption made directly at the data level). Promises parameters that
-    :meth:`CkksParams.validate` accepts and that meet the security row. Refuses (ValueError)
+    Smallest degree first, then the shortest chain, in the coefficient encoding (one data
+    prime, its smaller noise) where one prime holds the sum, else the slot encoding: a scale
+    just large enough for the precision (by :func:`error_bound`), the fewest data primes whose
+    product just holds the scale plus the sum's integer bits (split evenly: no prime needs to
+    match the scale, since sums never rescale), and no special prime (sums never key-switch;
+    :func:`error_bound` is the noise of an encryption made directly at the data level).
+    Promises parameters that :meth:`CkksParams.validate` accepts and that meet the security
+    row. Refuses (ValueError)
     non-positive terms or magnitude, an unknown security level, and requirements no degree up
     to 32768 can meet, saying which.
     """
@@ -397,27 +421,32 @@ def choose_params(
     sum_bits = max(0, math.ceil(math.log2(terms * magnitude)))
     limits = MAX_COEFF_MODULUS_BITS[security_bits]
     tried = []
-    for degree in sorted(limits):
-        # error_bound(params, terms) = _error_bound_units(degree, terms) / 2**scale
-        noise_bits = math.log2(_error_bound_units(degree, terms))
-        scale = max(_MIN_SCALE_BITS, math.ceil(precision_bits + flood_bits + noise_bits))
-        primes = _data_primes(
-            scale=scale, sum_bits=sum_bits, min_bits=int(math.log2(2 * degree)) + 1
-        )
-        if primes is None:
-            tried.append(f"{degree}: scale {scale} leaves no room below {_MAX_PRIME_BITS} bits")
-            continue
-        if sum(primes) > limits[degree]:
-            tried.append(f"{degree}: {sum(primes)} bits > {limits[degree]}")
-            continue
-        params = CkksParams(
-            poly_modulus_degree=degree,
-            coeff_mod_bit_sizes=primes,
-            scale_bits=scale,
-            special_prime=False,
-        )
-        params.validate()
-        return describe_params(params, terms=terms, flood_bits=flood_bits)
+    for degree in sorted(d for d in limits if d >= min_degree):
+        # one data prime gives the coefficient encoding, more the slots (CkksParams.encoding):
+        # the coefficients' smaller noise first, and the slots' where one prime cannot hold it
+        for encoding in (ENCODING_COEFFICIENTS, ENCODING_SLOTS):
+            # error_bound(params, terms) = _error_bound_units(degree, terms, encoding) / 2**scale
+            noise_bits = math.log2(_error_bound_units(degree, terms, encoding))
+            scale = max(_MIN_SCALE_BITS, math.ceil(precision_bits + flood_bits + noise_bits))
+            primes = _data_primes(
+                scale=scale, sum_bits=sum_bits, min_bits=int(math.log2(2 * degree)) + 1
+            )
+            if primes is None:
+                tried.append(f"{degree}: scale {scale} leaves no room below {_MAX_PRIME_BITS} bits")
+                break
+            if (len(primes) == 1) != (encoding == ENCODING_COEFFICIENTS):
+                continue  # several primes: the slots' noise sizes the scale
+            if sum(primes) > limits[degree]:
+                tried.append(f"{degree}: {sum(primes)} bits > {limits[degree]}")
+                break
+            params = CkksParams(
+                poly_modulus_degree=degree,
+                coeff_mod_bit_sizes=primes,
+                scale_bits=scale,
+                special_prime=False,
+            )
+            params.validate()
+            return describe_params(params, terms=terms, flood_bits=flood_bits)
     raise ValueError(
         f"no CKKS parameters give {precision_bits} bits after the point (flood_bits "
         f"{flood_bits}) for sums of {terms} values up to {magnitude:g} at {security_bits}-bit "
@@ -718,14 +747,23 @@ class _SealSetup:
 class _CkksCodec:
     """Encoding, chunk framing, saving, loading and checking of ciphertexts for one context.
 
-    Two real values share one complex CKKS slot (value ``2j`` in the real part, ``2j + 1`` in
-    the imaginary part), so a ciphertext of degree N carries N values, twice what TenSEAL's
-    real-only vectors carry, for the same bytes and nearly the same encryption time. A chunk on
+    A ciphertext of degree N carries N values, in one of two encodings
+    (:attr:`CkksParams.encoding`). In the coefficient encoding (one data prime) value ``i`` is
+    coefficient ``i`` of the plaintext polynomial, times the scale, and ciphertexts stay in
+    coefficient form (SEAL's encryptions of zero are taken out of NTT form once, where they are
+    made): a contribution is its encryption of zero with the rounded, scaled values added to
+    the first polynomial modulo the prime, with no encoder at all; the key holder brings the
+    sum into NTT form, decrypts, and takes the plaintext back out of it (:meth:`decrypt_values`).
+    In the slot encoding two real values share one complex CKKS slot (value ``2j`` in the real
+    part, ``2j + 1`` in the imaginary part), twice what TenSEAL's real-only vectors carry, for
+    the same bytes and nearly the same encryption time; SEAL's encoder maps them to the
+    polynomial and back. A chunk on
     the wire is a 4-byte little-endian value count (the sender's claim, checked against the
     other contributors and the key holder's shape) followed by the ciphertext in one of two
     formats, told apart by their first bytes:
 
-    - ``raw`` (:data:`WIRE_RAW`, the default): the magic ``CKR1``, the ciphertext's 32-byte
+    - ``raw`` (:data:`WIRE_RAW`, the default): the magic ``CKR1`` (slot encoding, NTT form)
+      or ``CKC1`` (coefficient encoding and form), the ciphertext's 32-byte
       ``parms_id``, then its coefficients copied straight out of SEAL's memory, each prime's in
       just enough little-endian bytes for that prime (5 bytes for a 34-bit prime), the two
       polynomials one after the other. No file, no compression: a copy in each direction.
@@ -742,7 +780,8 @@ class _CkksCodec:
       time, removed right after the save or load, never a key; the directory goes with the
       codec.
 
-    Both formats are always accepted; ``wire`` picks what this codec writes.
+    Both formats are always accepted; ``wire`` picks what this codec writes. A chunk of the
+    other encoding than the context's is refused (it would decrypt to other numbers).
     """
 
     def __init__(self, setup: _SealSetup, *, wire: str | None) -> None:
@@ -768,8 +807,19 @@ class _CkksCodec:
         self._scratch: str | None = None  # created on the first SEAL-format save or load
         self._finalizer: Any = None
         self._template: Any = None  # a valid ciphertext whose metadata raw loads copy
+        self._template_coefficients: Any = None  # the same in coefficient form
+        self._carrier_ct: Any = None  # NTT form, first polynomial zero (decrypt_values)
         self._access: _CoefficientAccess | None = None
+        self.encoding = params.encoding
+        self._raw_magic = _RAW_COEFF_MAGIC if self.encoding == ENCODING_COEFFICIENTS else _RAW_MAGIC
         self.wire = self._pick_wire(wire)
+        if self.encoding == ENCODING_COEFFICIENTS and self._raw_access() is None:
+            raise CkksError(
+                "these parameters carry sums in the coefficient encoding (one data prime), "
+                "which reads and writes the coefficients of SEAL's ciphertexts, and this SEAL "
+                "binding's memory layout is not the one checked for; use a chain of two or more "
+                "data primes ([secure] ckks.coeff_mod_bit_sizes) or TenSEAL 0.3.x."
+            )
 
     def _pick_wire(self, wire: str | None) -> str:
         if wire is None:
@@ -786,7 +836,7 @@ class _CkksCodec:
     def _raw_access(self) -> _CoefficientAccess | None:
         """The checked accessor of coefficient buffers, or None where the check failed."""
         if self._access is None and self._template is None:
-            self._template = self.zero(self._setup.encryptor())
+            self._template = self._fresh_zero(self._setup.encryptor())
             self._access = _CoefficientAccess.probe(
                 self._template, degree=self._params.poly_modulus_degree, primes=len(self._moduli)
             )
@@ -830,8 +880,61 @@ class _CkksCodec:
 
     def zero(self, encryptor: Any) -> Any:
         """A fresh public-key encryption of zero at the data level and the context's scale
-        (made there directly when the chain has no special prime: see :class:`_SealSetup`)."""
-        return self._fresh_zero(encryptor)
+        (made there directly when the chain has no special prime: see :class:`_SealSetup`),
+        in this encoding's form (coefficient form for the coefficient encoding)."""
+        ct = self._fresh_zero(encryptor)
+        if self.encoding == ENCODING_COEFFICIENTS:
+            self.evaluator.transform_from_ntt_inplace(ct)
+        return ct
+
+    def encrypt_values(self, values: np.ndarray, zero: Any) -> Any:
+        """``zero`` (a fresh encryption of zero from :meth:`zero`, used up) made the encryption
+        of up to ``slots`` float64 ``values``, already checked finite and within the magnitude
+        (see :meth:`CkksPublic.encrypt`); SEAL's encryption is exactly that, an encryption of
+        zero plus the plaintext."""
+        if self.encoding == ENCODING_SLOTS:
+            self.evaluator.add_plain_inplace(zero, self.encode(values))
+            return zero
+        assert self._access is not None
+        q = np.uint64(self._moduli[0])
+        scaled = np.rint(values * self._scale).astype(np.int64)  # |values * scale| < 2^62
+        # the residues mod q: a negative value v is q + v, which uint64 arithmetic wraps to
+        residues = scaled.view(np.uint64) + np.where(scaled < 0, q, np.uint64(0))
+        head = self._access.view(zero)[0, 0, : values.size]
+        head += residues  # both below q < 2^60: no overflow
+        np.minimum(head, head - q, out=head)  # head - q wraps above 2^63 where head < q
+        return zero
+
+    def decrypt_values(self, ct: Any, decryptor: Any, count: int) -> np.ndarray:
+        """The first ``count`` values of a (summed) ciphertext of this codec, decrypted with
+        ``decryptor`` (the key holder's), as float64. In the coefficient encoding ``ct`` is
+        brought into NTT form (it is used up)."""
+        plain = sealapi.Plaintext()
+        if self.encoding == ENCODING_SLOTS:
+            decryptor.decrypt(ct, plain)
+            return self.decode(plain, count)
+        assert self._access is not None
+        self.evaluator.transform_to_ntt_inplace(ct)
+        decryptor.decrypt(ct, plain)  # NTT form of the values times the scale, plus the error
+        # the plaintext out of NTT form: as the first polynomial of a ciphertext (SEAL only
+        # transforms ciphertexts), whose second one is nonzero (SEAL refuses transparent ones)
+        out = sealapi.Ciphertext(self.seal)
+        self.evaluator.add_plain(self._carrier(), plain, out)
+        self.evaluator.transform_from_ntt_inplace(out)
+        residues = self._access.view(out)[0, 0, :count].astype(np.int64)  # below q < 2^60
+        q = self._moduli[0]
+        centred = residues - np.where(residues > q // 2, np.int64(q), np.int64(0))
+        return centred / self._scale
+
+    def _carrier(self) -> Any:
+        """An NTT-form ciphertext of this context whose first polynomial is zero."""
+        if self._carrier_ct is None:
+            assert self._access is not None and self._template is not None
+            ct = sealapi.Ciphertext(self.seal)
+            self.evaluator.negate(self._template, ct)
+            self._access.view(ct)[0] = 0
+            self._carrier_ct = ct
+        return self._carrier_ct
 
     def encrypt(self, plain: Any, encryptor: Any) -> Any:
         """A fresh encryption of ``plain``: what SEAL's own encrypt does (an encryption of zero
@@ -866,8 +969,9 @@ class _CkksCodec:
         return self.dump_coefficients(self._access.view(ct), count)
 
     def dump_coefficients(self, coeffs: np.ndarray, count: int) -> bytes:
-        """The raw chunk of a ciphertext given as its (2, primes, degree) coefficients."""
-        parts = [_COUNT.pack(count), _RAW_MAGIC, self._parms_id_bytes]
+        """The raw chunk of a ciphertext given as its (2, primes, degree) coefficients, in this
+        codec's encoding (its form: checked on load)."""
+        parts = [_COUNT.pack(count), self._raw_magic, self._parms_id_bytes]
         n = self._params.poly_modulus_degree
         for i, width in enumerate(self._prime_bytes):
             words = np.ascontiguousarray(coeffs[:, i, :])
@@ -886,9 +990,17 @@ class _CkksCodec:
         return ct
 
     def _blank(self) -> Any:
-        """A SEAL ciphertext with this context's metadata, its coefficients to be written."""
+        """A SEAL ciphertext with this context's metadata, in this encoding's form, its
+        coefficients to be written."""
         ct = sealapi.Ciphertext(self.seal)
-        self.evaluator.negate(self._template, ct)
+        if self.encoding == ENCODING_SLOTS:
+            self.evaluator.negate(self._template, ct)
+            return ct
+        if self._template_coefficients is None:
+            self._template_coefficients = sealapi.Ciphertext(self.seal)
+            self.evaluator.negate(self._template, self._template_coefficients)
+            self.evaluator.transform_from_ntt_inplace(self._template_coefficients)
+        self.evaluator.negate(self._template_coefficients, ct)
         return ct
 
     def ciphertext_of(self, coeffs: np.ndarray) -> Any:
@@ -905,6 +1017,12 @@ class _CkksCodec:
         """The (2 polynomials, primes, degree) uint64 coefficients of a raw chunk's body,
         checked as SEAL's loader would: the length, the parms_id, every coefficient below its
         prime; written into `out` when given (a ciphertext's own buffer)."""
+        if bytes(body[:4]) != self._raw_magic:
+            raise CkksError(
+                f"{what} is in the {_ENCODING_OF_MAGIC.get(bytes(body[:4]), 'unknown')} "
+                f"encoding; this context's sums are in the {self.encoding} encoding, so it "
+                "would decrypt to other numbers: every role must use the same parameters."
+            )
         if body.nbytes != self._raw_body_bytes or bytes(body[4:36]) != self._parms_id_bytes:
             raise CkksError(
                 f"{what} is not a valid CKKS ciphertext for this context (truncated, corrupted "
@@ -943,7 +1061,7 @@ class _CkksCodec:
         if self.wire != WIRE_RAW:
             return None
         body, view = self._framed(data, what=what)
-        if bytes(body[: len(_RAW_MAGIC)]) != _RAW_MAGIC:
+        if bytes(body[: len(_RAW_MAGIC)]) not in _ENCODING_OF_MAGIC:
             return None
         coeffs = self._raw_coefficients(body, what=what)
         if not coeffs[1].any():
@@ -973,10 +1091,17 @@ class _CkksCodec:
         ciphertext and its value count. ``expected_len=None`` accepts any count from 1 to
         ``slots``."""
         body, view = self._framed(data, what=what)
-        if bytes(body[: len(_RAW_MAGIC)]) == _RAW_MAGIC:
+        if bytes(body[: len(_RAW_MAGIC)]) in _ENCODING_OF_MAGIC:
             ct = self._load_raw(body, what=what)
         else:
             ct = self._load_seal(body, what=what)
+        if bool(ct.is_ntt_form()) != (self.encoding == ENCODING_SLOTS):
+            form = "NTT" if ct.is_ntt_form() else "coefficient"
+            raise CkksError(
+                f"{what} is in {form} form; this context's sums are in the {self.encoding} "
+                "encoding, so it would decrypt to other numbers: every role must use the same "
+                "parameters."
+            )
         if ct.size() != 2:
             raise CkksError(
                 f"{what} has {ct.size()} polynomials; a fresh or summed ciphertext has 2."
@@ -1049,7 +1174,9 @@ class _CkksCodec:
 
 
 _COUNT = struct.Struct("<I")
-_RAW_MAGIC = b"CKR1"  # SEAL's own serialisation starts with 0x5E 0xA1, never with this
+_RAW_MAGIC = b"CKR1"  # SEAL's own serialisation starts with 0x5E 0xA1, never with these
+_RAW_COEFF_MAGIC = b"CKC1"
+_ENCODING_OF_MAGIC = {_RAW_MAGIC: ENCODING_SLOTS, _RAW_COEFF_MAGIC: ENCODING_COEFFICIENTS}
 
 
 class _CoefficientAccess:
@@ -1156,11 +1283,17 @@ def _tail_multiple(tail: float) -> float:
 
 
 _ERROR_BOUND_STDS = _tail_multiple(ERROR_BOUND_TAIL)  # about 15.3
+# a (sub-)Gaussian's two-sided tail 2 exp(-k^2 / 2) = ERROR_BOUND_TAIL: about 7.5
+_COEFFICIENT_BOUND_STDS = math.sqrt(2.0 * math.log(2.0 / ERROR_BOUND_TAIL))
 
 
-def _error_bound_units(degree: int, terms: int) -> float:
+def _error_bound_units(degree: int, terms: int, encoding: str = ENCODING_SLOTS) -> float:
     """:func:`error_bound` times the scale."""
-    std = degree * _SEAL_ERROR_STD * math.sqrt(2.0 / 3.0) * math.sqrt(max(int(terms), 1))
+    terms = max(int(terms), 1)
+    if encoding == ENCODING_COEFFICIENTS:
+        std = _SEAL_ERROR_STD * math.sqrt(terms * (4.0 * degree / 3.0 + 1.0))
+        return _COEFFICIENT_BOUND_STDS * std
+    std = degree * _SEAL_ERROR_STD * math.sqrt(2.0 / 3.0) * math.sqrt(terms)
     return _ERROR_BOUND_STDS * std
 
 
@@ -1180,8 +1313,17 @@ def error_bound(params: CkksParams, *, terms: int = 1) -> float:
     ``k`` ~ 15.3 of them. Measured: the standard deviation is within 3% of that (a Gaussian
     tail bound of 6 would be exceeded about once in 10^6 values); see
     tests/crypto/test_ckks_noise.py.
+
+    In the coefficient encoding (one data prime, :attr:`CkksParams.encoding`) a value is one
+    coefficient of the same error polynomial: each of ``e * U`` and ``s * E`` is a sum of N
+    products of a fixed key coefficient and a fresh small one (variance ``N sigma^2 2 terms /
+    3`` each), ``E'`` adds ``terms sigma^2``, so the standard deviation is ``sigma * sqrt(terms
+    * (4N/3 + 1))`` over the scale, about sqrt(N/2) times below the slots'. For a fixed key
+    pair the sum is sub-Gaussian with about that variance, and the bound is the Gaussian tail's
+    ``sqrt(2 ln(2 / tail))`` ~ 7.5 of them (measured in the same test file).
     """
-    return _error_bound_units(params.poly_modulus_degree, terms) / 2.0**params.scale_bits
+    units = _error_bound_units(params.poly_modulus_degree, terms, params.encoding)
+    return units / 2.0**params.scale_bits
 
 
 def csprng_normal(shape: tuple[int, ...]) -> np.ndarray:
@@ -1261,11 +1403,11 @@ class CkksKeyHolder:
 
     def _check_key_pair(self) -> None:
         # the exported public key must encrypt to the kept secret key: a test value round trip
-        probe = np.arange(8, dtype=np.float64)
-        ct = self._codec.encrypt(self._codec.encode(probe), self._codec._setup.encryptor())
-        plain = sealapi.Plaintext()
-        self._decryptor.decrypt(ct, plain)
-        error = float(np.max(np.abs(self._codec.decode(plain, probe.size) - probe)))
+        # values within what a sum may hold: the coefficient encoding wraps anything beyond
+        probe = np.linspace(-0.5, 0.5, 8) * min(2.0**self.params.magnitude_bits, 8.0)
+        ct = self._codec.encrypt_values(probe, self._codec.zero(self._codec._setup.encryptor()))
+        decrypted = self._codec.decrypt_values(ct, self._decryptor, probe.size)
+        error = float(np.max(np.abs(decrypted - probe)))
         if not error < 1e3 * error_bound(self.params):
             raise CkksError(f"the new key pair does not decrypt its own encryption ({error:g}).")
 
@@ -1320,9 +1462,7 @@ class CkksKeyHolder:
         for i, ct in enumerate(ciphertexts):
             start = i * self.slots
             count = _chunk_length(i, size, self.slots)
-            plain = sealapi.Plaintext()
-            self._decryptor.decrypt(ct, plain)
-            out[start : start + count] = self._codec.decode(plain, count)
+            out[start : start + count] = self._codec.decrypt_values(ct, self._decryptor, count)
         if release is not None:
             out = release.apply(out, self.params, terms=terms)
         return out.reshape(shape)
@@ -1518,12 +1658,10 @@ class CkksPublic:
         for start in range(0, flat.size, self.slots):
             values = flat[start : start + self.slots]
             try:
-                plain = self._codec.encode(values)
                 ct = self._take_zero()  # used once: a reused zero would leak differences
-                if ct is not None:
-                    self._codec.evaluator.add_plain_inplace(ct, plain)
-                else:
-                    ct = self._codec.encrypt(plain, self._encryptor)
+                if ct is None:
+                    ct = self._codec.zero(self._encryptor)
+                ct = self._codec.encrypt_values(values, ct)
             except (ValueError, RuntimeError) as exc:  # "encoded values are too large"
                 raise CkksError(f"cannot encrypt values starting at index {start}: {exc}.") from exc
             chunks.append(self._codec.dump(ct, values.size))

@@ -37,8 +37,13 @@ def keys(request) -> tuple[CkksKeyHolder, CkksPublic]:
 
 
 def test_choose_params_picks_no_special_prime_and_says_so() -> None:
-    assert choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params == TWO
-    assert choose_params(precision_bits=12, magnitude=1024.0, terms=5).params == ONE
+    # one data prime holds either sum in the coefficient encoding, whose noise needs a 34-bit
+    # scale where the slots needed 41 (TWO and ONE below were the slot encoding's choices)
+    picked = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params
+    assert picked == CkksParams(4096, (60,), 34, special_prime=False)
+    picked = choose_params(precision_bits=12, magnitude=1024.0, terms=5, min_degree=4096).params
+    assert picked == CkksParams(4096, (50,), 34, special_prime=False)
+    assert picked.encoding == "coefficients" and TWO.encoding == "slots"
     sizing = describe_params(TWO, terms=5)
     assert sizing.as_dict()["special_prime"] is False
     assert sizing.bytes_per_value == 32  # two data primes, 16 bytes each per value

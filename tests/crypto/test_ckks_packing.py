@@ -19,15 +19,15 @@ from crypto.ckks import (
     CkksParams,
     CkksPublic,
     PackedCiphertexts,
-    choose_params,
 )
 
-# what a Credit run with 4 parties and [secure] ckks.magnitude = 1024 chooses (12 bits)
-CREDIT_1024 = choose_params(precision_bits=12, magnitude=1024.0, terms=5).params
+# one data prime: the coefficient encoding (what the slot encoding's sizing chose for a Credit
+# run with [secure] ckks.magnitude = 1024)
+CREDIT_1024 = CkksParams(4096, (57,), 41, special_prime=False)
 
 
-# what a Credit run with 4 parties chooses at the default bound 2^20: two data primes
-CREDIT_DEFAULT = choose_params(precision_bits=12, magnitude=2.0**20, terms=5).params
+# two data primes: the slot encoding (what its sizing chose for a Credit run at the bound 2^20)
+CREDIT_DEFAULT = CkksParams(4096, (34, 34), 41, special_prime=False)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,9 @@ def keys() -> tuple[CkksKeyHolder, CkksPublic]:
 
 def test_one_ciphertext_carries_as_many_values_as_the_degree(keys) -> None:
     holder, public = keys
-    assert CREDIT_1024 == CkksParams(4096, (57,), 41, special_prime=False)
+    assert CREDIT_1024.encoding == "coefficients" and CREDIT_DEFAULT.encoding == "slots"
     n = CREDIT_1024.poly_modulus_degree
-    assert public.slots == n  # N/2 complex slots, a real value in each part
+    assert public.slots == n  # one value per coefficient
     rng = np.random.default_rng(0)
     x = rng.uniform(-1000, 1000, n)
     x[0::2] = np.abs(x[0::2])  # real parts >= 0, imaginary parts of any sign: no mix-up
@@ -196,6 +196,18 @@ def test_wire_format_comes_from_the_environment_and_bad_names_are_refused(
     monkeypatch.setenv(WIRE_ENV, "zip")
     with pytest.raises(CkksError, match=r"unknown CKKS wire format 'zip'.*use 'raw' or 'seal'"):
         CkksPublic(context_bytes=context)
+
+
+def test_slot_values_share_complex_slots_two_by_two(default_keys) -> None:
+    holder, public = default_keys
+    n = CREDIT_DEFAULT.poly_modulus_degree
+    assert public.slots == n  # N/2 complex slots, a real value in each part
+    x = np.random.default_rng(1).uniform(-1000, 1000, n)
+    x[0::2] = np.abs(x[0::2])  # real parts >= 0, imaginary parts of any sign: no mix-up
+    packed = public.encrypt(x)
+    assert len(packed.chunks) == 1
+    out = holder.decrypt_sum(public.add([packed, public.encrypt(-x / 2)]), shape=(n,))
+    np.testing.assert_allclose(out, x / 2, atol=1e-6)
 
 
 def test_a_binding_whose_layout_fails_the_probe_falls_back_to_seal(

@@ -50,19 +50,35 @@ def test_chosen_params_keep_their_promises(precision, magnitude, terms, security
 
 def test_the_smallest_degree_is_chosen() -> None:
     # The engine's typical sum: 4 parties, |x| <= 1024, 11 bits after the point once flooded
-    # (what the design's defaults give) fits degree 2048 with one 54-bit data prime.
+    # (what the design's defaults give) fits degree 2048 with one 48-bit data prime, in the
+    # coefficient encoding
     sizing = choose_params(precision_bits=11, magnitude=2.0**10, terms=4)
     assert sizing.params == CkksParams(
-        poly_modulus_degree=2048, coeff_mod_bit_sizes=(54,), scale_bits=39, special_prime=False
+        poly_modulus_degree=2048, coeff_mod_bit_sizes=(48,), scale_bits=33, special_prime=False
     )
-    assert sizing.security_bits == 128
-    # at 2048 the precision needs a 39-bit scale, the sum 12 bits and the margins 3: exactly the
-    # 54 of 128-bit security; a special prime (at least 13 bits) would not have fitted
-    assert error_bound(CkksParams(2048, (54,), 38, special_prime=False), terms=4) * 2**10 > 2**-11
-    assert error_bound(CkksParams(2048, (54,), 39, special_prime=False), terms=4) * 2**10 <= 2**-11
-    assert 39 + 12 + 3 == MAX_COEFF_MODULUS_BITS[128][2048] < 39 + 12 + 3 + 13
+    assert sizing.params.encoding == "coefficients" and sizing.security_bits == 128
+    # the precision needs exactly a 33-bit scale there, the sum 12 bits and the margins 3
+    assert error_bound(CkksParams(2048, (47,), 32, special_prime=False), terms=4) * 2**10 > 2**-11
+    assert error_bound(CkksParams(2048, (48,), 33, special_prime=False), terms=4) * 2**10 <= 2**-11
+    assert sum(sizing.params.coeff_mod_bit_sizes) == 33 + 12 + 3
     small = choose_params(precision_bits=0, magnitude=2.0, terms=2)
-    assert small.params.poly_modulus_degree == 2048
+    assert small.params.poly_modulus_degree == 1024
+    # min_degree: the same request at 4096 or more, one prime and a higher security level
+    wide = choose_params(precision_bits=11, magnitude=2.0**10, terms=4, min_degree=4096)
+    assert wide.params.poly_modulus_degree == 4096 and wide.security_bits == 256
+
+
+def test_the_slot_encoding_is_chosen_where_one_prime_cannot_hold_the_sum() -> None:
+    # 20 bits after the point for sums up to 2^40: one prime would need 42 + 43 + 3 bits
+    sizing = choose_params(precision_bits=20, magnitude=2.0**40, terms=4, min_degree=4096)
+    params = sizing.params
+    assert params.encoding == "slots" and params.data_primes > 1
+    # sized by the slots' (larger) noise: more scale than the coefficients would have needed
+    assert 2.0**10 * error_bound(params, terms=4) <= 2.0**-20
+    holder, public = _keys(params)
+    xs = [np.full(10, 2.0**40 / 4 * 0.99), np.full(10, -3.0), np.full(10, 1.5), np.zeros(10)]
+    out = holder.decrypt_sum(public.add([public.encrypt(x) for x in xs]), shape=(10,))
+    np.testing.assert_allclose(out, np.sum(xs, axis=0), atol=1e-4)
 
 
 @pytest.mark.parametrize(("precision", "magnitude", "terms"), [*REQUESTS, (12, 2.0**20, 5)])
@@ -78,12 +94,11 @@ def test_the_data_primes_hold_exactly_the_bits_a_sum_needs(precision, magnitude,
 
 
 def test_a_chain_of_primes_below_the_scale_decrypts_the_largest_sums() -> None:
-    # 4 parties + the active party, |x| <= 2^20, 12 bits: a 68-bit data modulus in two primes,
-    # each below the 41-bit scale (no rescaling in a sum, so none has to match it)
-    sizing = choose_params(precision_bits=12, magnitude=2.0**20, terms=5)
-    params = sizing.params
-    assert params == CkksParams(4096, (34, 34), 41, special_prime=False)
-    assert sizing.security_bits == 192 and sum(params.coeff_mod_bit_sizes) <= 75
+    # the slot encoding's choice for 4 parties + the active party, |x| <= 2^20, 12 bits: a
+    # 68-bit data modulus in two primes, each below the 41-bit scale (no rescaling in a sum, so
+    # none has to match it)
+    params = CkksParams(4096, (34, 34), 41, special_prime=False)
+    assert describe_params(params, terms=5).security_bits == 192
     holder, public = _keys(params)
     rng = np.random.default_rng(5)
     xs = [rng.uniform(-(2.0**20), 2.0**20, public.slots) for _ in range(5)]
@@ -95,6 +110,22 @@ def test_a_chain_of_primes_below_the_scale_decrypts_the_largest_sums() -> None:
     # the serialisation compresses away the unused high bits of the 64-bit words
     raw_bytes = 2 * params.poly_modulus_degree * 2 * 8
     assert all(len(c) < 0.7 * raw_bytes for c in total.chunks)
+
+
+def test_one_prime_now_holds_the_largest_sums_of_the_default_bound() -> None:
+    # the same request: the coefficient encoding's smaller noise needs a 34-bit scale, so one
+    # 60-bit prime holds it, and sums at the extremes decrypt within the bound
+    sizing = choose_params(precision_bits=12, magnitude=2.0**20, terms=5)
+    params = sizing.params
+    assert params == CkksParams(4096, (60,), 34, special_prime=False)
+    assert params.encoding == "coefficients" and sizing.security_bits == 192
+    holder, public = _keys(params)
+    rng = np.random.default_rng(6)
+    xs = [rng.uniform(-(2.0**20), 2.0**20, public.slots) for _ in range(5)]
+    for x in xs:
+        x[:3] = [2.0**20, -(2.0**20), 2.0**20 - 1]
+    raw = holder.decrypt_sum(public.add([public.encrypt(x) for x in xs]), shape=(public.slots,))
+    assert np.max(np.abs(raw - np.sum(xs, axis=0))) <= error_bound(params, terms=5)
 
 
 def test_impossible_requests_are_refused_with_reasons() -> None:
@@ -124,7 +155,7 @@ def _keys(params: CkksParams) -> tuple[CkksKeyHolder, CkksPublic]:
     return holder, CkksPublic(context_bytes=holder.public_context_bytes())
 
 
-PARAM_SETS = [DEFAULT_CKKS_PARAMS] + [
+PARAM_SETS = [DEFAULT_CKKS_PARAMS, CkksParams(4096, (34, 34), 41, special_prime=False)] + [
     choose_params(precision_bits=p, magnitude=m, terms=k).params for p, m, k in REQUESTS
 ]
 
@@ -155,8 +186,9 @@ def test_error_bound_and_release_hold_for_each_parameter_set(params: CkksParams)
     bound = error_bound(params, terms=terms)
     worst = float(np.max(np.abs(raw - exact)))
     # with a special prime the fresh noise is divided far below the bound; without one the
-    # bound is ~15 standard deviations of a Laplace-tailed error (test_ckks_noise.py): the
-    # largest of these ~10^4 errors stays below 0.8 of it except with probability ~10^-5
+    # bound is ~15 standard deviations of a Laplace-tailed error (slots) or ~7.5 of a
+    # Gaussian one (coefficients; test_ckks_noise.py): the largest of these ~10^4 errors stays
+    # below 0.8 of it except with probability ~10^-5
     assert worst <= bound / (4 if params.special_prime else 1.25), (worst, bound)
     release = DecryptionRelease(precision_bits=20, flood_bits=10)
     released = holder.decrypt_sum(total, shape=(n,), release=release, terms=terms)

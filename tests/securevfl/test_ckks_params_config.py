@@ -51,8 +51,12 @@ def test_default_parameters_are_sized_to_the_bound_precision_and_parties():
 def test_a_larger_bound_or_security_level_buys_a_longer_chain_or_degree():
     small = ckks_params(cfg(bound=1024.0))
     wide = ckks_params(cfg(bound=2.0**20))
+    wider = ckks_params(cfg(bound=2.0**30, frac_bits=16))
     strong = ckks_params(cfg(bound=1024.0, ckks={"security_bits": 256}))
-    assert len(wide.coeff_mod_bit_sizes) > len(small.coeff_mod_bit_sizes)
+    assert sum(wide.coeff_mod_bit_sizes) > sum(small.coeff_mod_bit_sizes)
+    # one prime holds sums up to 2^20 (the coefficient encoding); beyond, two or more (slots)
+    assert len(wide.coeff_mod_bit_sizes) == 1 and wide.encoding == "coefficients"
+    assert len(wider.coeff_mod_bit_sizes) > 1 and wider.encoding == "slots"
     assert security_level(strong) >= 256
     # ckks.magnitude overrides the bound for CKKS only
     assert ckks_params(cfg(bound=2.0**20, ckks={"magnitude": 1024.0})) == small
@@ -67,7 +71,7 @@ def test_fixed_parameters_are_used_as_given():
 
 
 def test_a_fixed_chain_can_declare_that_it_has_no_special_prime():
-    sized = ckks_params(cfg(bound=2.0**20))  # what a sized run picks: two data primes, no special
+    sized = ckks_params(cfg(bound=2.0**30, frac_bits=16))  # sized: two data primes, no special
     fixed = {
         "poly_modulus_degree": sized.poly_modulus_degree,
         "coeff_mod_bit_sizes": list(sized.coeff_mod_bit_sizes),

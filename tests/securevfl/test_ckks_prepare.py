@@ -153,8 +153,8 @@ def _c1(public, chunk: bytes) -> bytes:
 
 def test_a_zero_made_while_idle_is_sent_once_and_never_again():
     """Over rounds of calls and waits (the same values every call, so a reused zero would send
-    the same c1 twice), every chunk's c1 is new, and every zero made while idle is used by
-    exactly one chunk, the fresh encryptions of the first call aside."""
+    the same c1 twice), every chunk's c1 is new, and every zero made (while idle, or afresh in
+    the first call) is used by exactly one chunk."""
     parties, _, _ = _roles()
     party = parties["a"]
     public = party.public
@@ -175,11 +175,12 @@ def test_a_zero_made_while_idle_is_sent_once_and_never_again():
         arrays = party.protect(x, round=rnd, group=["a", "b"], key="h")
         sent += [_c1(public, arrays[f"h/{i}"].tobytes()) for i in range(3)]
         party.idle()
-    assert len(made) == 6 * 3  # 5 rounds' worth used, the last round's 3 still ready
+    # the first call's 3 afresh, 5 rounds' worth made while idle, the last round's 3 ready
+    assert len(made) == 7 * 3
     assert public.ready_zeros == 3
     assert len(set(sent)) == len(sent) == 18  # no c1 sent twice
     used = [c for c in sent if c in set(made)]
-    assert len(used) == 15 and len(set(used)) == 15  # each used zero exactly once
+    assert len(used) == 18 and len(set(used)) == 18  # each used zero exactly once
     ready = {_c1(public, public._codec.dump(z, slots)) for z in public._zeros}
     assert set(made) - set(used) == ready
 
