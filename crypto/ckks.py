@@ -888,19 +888,24 @@ class _CkksCodec:
         return ct
 
     def encrypt_values(self, values: np.ndarray, zero: Any) -> Any:
-        """``zero`` (a fresh encryption of zero from :meth:`zero`, used up) made the encryption
-        of up to ``slots`` float64 ``values``, already checked finite and within the magnitude
-        (see :meth:`CkksPublic.encrypt`); SEAL's encryption is exactly that, an encryption of
-        zero plus the plaintext."""
+        """``zero`` (a fresh encryption of zero from :meth:`zero`, or its checked coefficients
+        in the coefficient encoding; used up) made the encryption of up to ``slots`` float64
+        ``values``, already checked finite and within the magnitude (see
+        :meth:`CkksPublic.encrypt`); SEAL's encryption is exactly that, an encryption of zero
+        plus the plaintext. Returns ``zero``, in its type (a coefficient array stays one: a
+        raw chunk is written from it without SEAL)."""
         if self.encoding == ENCODING_SLOTS:
+            if isinstance(zero, np.ndarray):
+                zero = self.ciphertext_of(zero)
             self.evaluator.add_plain_inplace(zero, self.encode(values))
             return zero
         assert self._access is not None
+        coeffs = zero if isinstance(zero, np.ndarray) else self._access.view(zero)
         q = np.uint64(self._moduli[0])
         scaled = np.rint(values * self._scale).astype(np.int64)  # |values * scale| < 2^62
         # the residues mod q: a negative value v is q + v, which uint64 arithmetic wraps to
         residues = scaled.view(np.uint64) + np.where(scaled < 0, q, np.uint64(0))
-        head = self._access.view(zero)[0, 0, : values.size]
+        head = coeffs[0, 0, : values.size]
         head += residues  # both below q < 2^60: no overflow
         np.minimum(head, head - q, out=head)  # head - q wraps above 2^63 where head < q
         return zero
@@ -952,7 +957,12 @@ class _CkksCodec:
         return ct
 
     def dump(self, ct: Any, count: int) -> bytes:
-        """The chunk bytes of a ciphertext carrying ``count`` values, in this codec's format."""
+        """The chunk bytes of a ciphertext (a SEAL one, or its checked (2, primes, degree)
+        coefficients) carrying ``count`` values, in this codec's format."""
+        if isinstance(ct, np.ndarray):
+            if self.wire == WIRE_RAW:
+                return self.dump_coefficients(ct, count)
+            ct = self.ciphertext_of(ct)
         if self.wire == WIRE_RAW:
             return self._dump_raw(ct, count)
         path = self._path()

@@ -140,9 +140,9 @@ class ZeroSource:
         return self._proc.poll() is None
 
     def take(self) -> Any | None:
-        """One fresh encryption of zero if a whole one is waiting in the pipe, else None
-        (never blocks). Each is handed out once. Raises :class:`CkksError` if a record fails
-        the checks of a received chunk."""
+        """One fresh encryption of zero, as its checked (2, primes, degree) coefficients, if a
+        whole one is waiting in the pipe, else None (never blocks). Each is handed out once.
+        Raises :class:`CkksError` if a record fails the checks of a received chunk."""
         with self._lock:
             public = self._public
             if self._fd < 0 or public is None:
@@ -162,11 +162,15 @@ class ZeroSource:
                 self._buf += data
             record = bytes(self._buf)
             self._buf.clear()
-        ct, _ = public._codec.load(
+        # its checked coefficients (a raw chunk: the helper writes only those), which the
+        # party adds its values to and sends without a SEAL ciphertext in between
+        loaded = public._codec.load_coefficients(
             record, expected_len=public.slots, what="an encryption of zero from the helper"
         )
+        if loaded is None:
+            raise CkksError("the zero helper wrote a chunk that is not in the raw format.")
         self._taken += 1
-        return ct
+        return loaded[0]
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
