@@ -122,13 +122,18 @@ def run_federation(
 
     watched = set(threads) if not tolerates_dropout(cfg) else {"aggregator", cfg.active_name}
     if _wait_for_roles(
-        threads, codes, watched=watched, grace=cfg.peer_timeout + 10.0, context=context
+        threads, codes, watched=watched, grace=cfg.peer_timeout + STOP_GRACE_S, context=context
     ):
         context.term()
     code = overall_status(codes, active=cfg.active_name, run_dir=out)
     metrics_path = out / "metrics.json"
     metrics = json.loads(metrics_path.read_text()) if code == 0 and metrics_path.exists() else None
     return code, metrics
+
+
+#: After a role fails, how long (beyond [network] peer_timeout) the others get to stop on their
+#: own before the ZeroMQ context is terminated under them (as `securevfl run` waits for processes)
+STOP_GRACE_S = 10.0
 
 
 def _wait_for_roles(
