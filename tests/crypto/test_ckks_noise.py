@@ -124,3 +124,19 @@ def test_released_sums_meet_the_requested_precision(params) -> None:
     expected = math.hypot(release.flood_std(params, terms=terms), 2.0**-12 / math.sqrt(12))
     assert np.std(error) == pytest.approx(expected, rel=0.05)
     assert np.std(error) <= 2.0**-12 * math.hypot(1, 1 / math.sqrt(12)) * 1.05
+
+
+def test_the_flooding_noise_is_standard_normal_and_fresh() -> None:
+    from scipy import stats
+
+    from crypto.ckks import csprng_normal
+
+    z = csprng_normal((200_001,))  # an odd count: the pairs' leftover is dropped
+    assert z.shape == (200_001,) and z.dtype == np.float64
+    # a correct generator fails this with probability 1e-6
+    assert stats.kstest(z, "norm").pvalue > 1e-6
+    # the two normals of a pair are independent: the halves of a draw are uncorrelated
+    pairs = csprng_normal((2, 100_000))
+    assert abs(np.corrcoef(pairs[0], pairs[1])[0, 1]) < 0.02
+    assert csprng_normal((0,)).size == 0 and csprng_normal((3, 4)).shape == (3, 4)
+    assert not np.array_equal(csprng_normal((64,)), csprng_normal((64,)))
