@@ -941,16 +941,9 @@ class _CkksCodec:
             self._carrier_ct = ct
         return self._carrier_ct
 
-    def encrypt(self, plain: Any, encryptor: Any) -> Any:
-        """A fresh encryption of ``plain``: what SEAL's own encrypt does (an encryption of zero
-        plus the plaintext), at the level :meth:`zero` uses."""
-        ct = self._fresh_zero(encryptor)
-        self.evaluator.add_plain_inplace(ct, plain)
-        return ct
-
     def _fresh_zero(self, encryptor: Any) -> Any:
-        """The encryption of zero under both :meth:`zero` (the zeros made ahead, which tests
-        count through it) and :meth:`encrypt` (a contribution made fresh)."""
+        """A fresh encryption of zero as SEAL makes it (NTT form): under :meth:`zero` (which
+        tests count) and the templates."""
         ct = sealapi.Ciphertext(self.seal)
         encryptor.encrypt_zero(self._zero_level, ct)
         ct.scale = self._scale
