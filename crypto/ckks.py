@@ -1290,7 +1290,7 @@ _ERROR_BOUND_STDS = _tail_multiple(ERROR_BOUND_TAIL)  # about 15.3
 _COEFFICIENT_BOUND_STDS = math.sqrt(2.0 * math.log(2.0 / ERROR_BOUND_TAIL))
 
 
-def _error_bound_units(degree: int, terms: int, encoding: str = ENCODING_SLOTS) -> float:
+def _error_bound_units(degree: int, terms: int, encoding: str) -> float:
     """:func:`error_bound` times the scale."""
     terms = max(int(terms), 1)
     if encoding == ENCODING_COEFFICIENTS:
