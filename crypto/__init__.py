@@ -14,7 +14,7 @@ from crypto.masking import (
     MissingContributorError,
     decode_sum,
 )
-from crypto.prg import Keystream, keystream_uint64, stream_key
+from crypto.prg import Keystream, keystream_uint64, mask_key, stream_nonce
 
 __all__ = [
     "FixedPointEncoder",
@@ -29,6 +29,7 @@ __all__ = [
     "SumDidNotCancel",
     "decode_sum",
     "keystream_uint64",
+    "mask_key",
     "pair_key",
-    "stream_key",
+    "stream_nonce",
 ]

@@ -1,14 +1,17 @@
 """The pairwise-masked sum (secure aggregation), as a party stage and an aggregator stage.
 
 Stage 1, at each party u of a group: ``MaskedSumParty.mask`` encodes its value in Z_2^64 and,
-for every other member v, adds the keystream of the pair key (u, v) if ``u < v`` and subtracts
-it otherwise. Stage 2, at the aggregator: ``MaskedSumAggregator.add`` adds the contributions;
-every pairwise mask appears once with each sign, so the masks cancel and only the sum remains.
+for every other member v, adds the keystream of the pair (u, v) for this sum if ``u < v`` and
+subtracts it otherwise: AES-128-CTR under the pair's mask key (``crypto.prg.mask_key`` of the
+pair key) from the nonce of the sum's domain (``crypto.prg.stream_nonce``), computed as CTR on
+one reusable AES context per pair (``crypto.prg.CounterStreams``). Stage 2, at the aggregator:
+``MaskedSumAggregator.add`` adds the contributions; every pairwise mask appears once with each
+sign, so the masks cancel and only the sum remains.
 Stage 3, at the receiver: ``decode_sum``. Masks are derived for the exact group, so a sum over
 any subset of parties cancels, and a sum missing a contributor decodes to an error, not garbage.
 
 A call that masks several tensors for one group (``MaskedSumParty.mask_many``) uses one keystream
-per pair for all of them (``MaskCallDomain``: the tensors' names and sizes are part of the key,
+per pair for all of them (``MaskCallDomain``: the tensors' names and sizes are part of the nonce,
 each tensor's mask is the segment at its offset). Encoding and masking are fused chunk by chunk
 in preallocated buffers, and the masks of a future call can be prepared on a background thread
 (``MaskedSumParty.prepare``); every path gives the bits of ``crypto.reference.reference_mask``.
@@ -27,7 +30,15 @@ import numpy as np
 
 from crypto.fixedpoint import FixedPointEncoder
 from crypto.keys import MaskingKeyPair, length_prefixed, pair_key
-from crypto.prg import MAX_FILL_WORDS, Keystream, stream_key
+from crypto.prg import (
+    MAX_FILL_WORDS,
+    MAX_STREAM_WORDS,
+    SLACK_WORDS,
+    CounterStreams,
+    counter_blocks,
+    mask_key,
+    stream_nonce,
+)
 
 __all__ = [
     "MASK_CALL_PREFIX",
@@ -53,9 +64,7 @@ REPLAY_WINDOW = 1024
 # the domains of the latest calls, kept resolved (checked, encoded, digested): a party masks
 # the same sums every batch, one round on
 _RESOLVED_DOMAINS = 16
-# Encrypting zeros yields the raw keystream: one shared read-only block is the input.
-_ZEROS = memoryview(bytes(8 * MASK_CHUNK_WORDS))
-assert MASK_CHUNK_WORDS <= MAX_FILL_WORDS
+assert MASK_CHUNK_WORDS <= MAX_FILL_WORDS and MASK_CHUNK_WORDS % 2 == 0
 
 
 def _check_group(group: Sequence[str]) -> tuple[str, ...]:
@@ -126,7 +135,7 @@ class MaskCallDomain:
     tensors), ``tensors`` being (name, number of values) pairs, kept sorted by name.
 
     One keystream per pair covers the tensors back to back in that order; a tensor's mask is
-    the segment at its offset. The names and sizes are part of the key, so each segment is
+    the segment at its offset. The names and sizes are part of the nonce, so each segment is
     bound to its tensor, and masks cancel only among members that masked the same call.
     Refuses fewer than two tensors (one tensor is a :class:`MaskDomain`), empty or duplicate
     names, negative sizes, and what :class:`MaskDomain` refuses for session, round and group.
@@ -241,8 +250,12 @@ class MaskedSumParty:
         self._keypair = keypair
         self._peer_publics = peers
         self._pair_keys: dict[str, bytes] = {}
-        # (round, group, sizes) -> (domain, its encoding, its digest) of the latest calls
-        self._resolved: dict[tuple, tuple[MaskDomain | MaskCallDomain, bytes, bytes]] = {}
+        self._mask_keys: dict[str, bytes] = {}  # peer -> the pair's AES key (`mask_key`)
+        # one reusable AES context per pair key and thread: no cipher set up per round
+        self._ciphers = CounterStreams()
+        # (round, group, sizes) -> (domain, its encoding, its digest, its nonce) of the latest
+        # calls
+        self._resolved: dict[tuple, _Resolved] = {}
         # replay guard: session -> round -> digests of the domains masked in that round. Only
         # the latest REPLAY_WINDOW rounds of a session are kept; an older round is refused
         # outright (its floor), so the guard stays bounded over a run of any length
@@ -267,6 +280,12 @@ class MaskedSumParty:
                 peer=peer,
             )
             self._pair_keys[peer] = key
+        return key
+
+    def _mask_key(self, peer: str) -> bytes:
+        key = self._mask_keys.get(peer)
+        if key is None:
+            key = self._mask_keys[peer] = mask_key(self._pair_key(peer))
         return key
 
     def _members(self, group: Sequence[str]) -> tuple[str, ...]:
@@ -311,13 +330,11 @@ class MaskedSumParty:
             session=self.session, round=round, group=members, tensors=tuple(sizes.items())
         )
 
-    def _resolve(
-        self, round: int, group: Sequence[str], sizes: Mapping[str, int]
-    ) -> tuple[MaskDomain | MaskCallDomain, bytes, bytes]:
+    def _resolve(self, round: int, group: Sequence[str], sizes: Mapping[str, int]) -> _Resolved:
         """The call's domain (after every check of :meth:`call_domain` and the encoder's
-        ``check_terms``), its encoding and its digest. The latest ones are kept, so the same
-        sums one round on are not checked, encoded and digested again in :meth:`prepare` and
-        then in :meth:`mask_many`."""
+        ``check_terms``), its encoding, its digest and its keystreams' nonce. The latest ones
+        are kept, so the same sums one round on are not checked, encoded and digested again in
+        :meth:`prepare` and then in :meth:`mask_many`."""
         memo = None
         if type(round) is int and isinstance(group, tuple | list) and isinstance(sizes, dict):
             memo = (round, tuple(group), tuple(sizes.items()))
@@ -326,22 +343,30 @@ class MaskedSumParty:
                 return found
         domain = self.call_domain(round=round, group=group, sizes=sizes)
         self.encoder.check_terms(len(domain.group))
+        total = sum(int(size) for size in sizes.values() if isinstance(size, int | np.integer))
+        if total > MAX_STREAM_WORDS:
+            raise ValueError(
+                f"a masked call of {total} values is beyond one keystream's {MAX_STREAM_WORDS}"
+                "; split it into several calls"
+            )
         domain_bytes = domain.encode()
-        resolved = (domain, domain_bytes, hashlib.blake2b(domain_bytes, digest_size=16).digest())
+        resolved = (
+            domain,
+            domain_bytes,
+            hashlib.blake2b(domain_bytes, digest_size=16).digest(),
+            stream_nonce(domain_bytes),
+        )
         if memo is not None:
             if len(self._resolved) >= _RESOLVED_DOMAINS:
                 del self._resolved[next(iter(self._resolved))]
             self._resolved[memo] = resolved
         return resolved
 
-    def _streams(
-        self, domain: MaskDomain | MaskCallDomain, domain_bytes: bytes
-    ) -> list[tuple[bytes, bool]]:
-        """(stream key, add?) per other member: add if this party's name sorts first."""
+    def _streams(self, domain: MaskDomain | MaskCallDomain) -> list[tuple[bytes, bool]]:
+        """(the pair's mask key, add?) per other member: add if this party's name sorts
+        first. Each pair's keystream of the call is that key's stream of the domain's nonce."""
         return [
-            (stream_key(pair_key=self._pair_key(peer), domain=domain_bytes), self.name < peer)
-            for peer in domain.group
-            if peer != self.name
+            (self._mask_key(peer), self.name < peer) for peer in domain.group if peer != self.name
         ]
 
     def _mark_used(self, domain: MaskDomain | MaskCallDomain, digest: bytes) -> None:
@@ -386,7 +411,8 @@ class MaskedSumParty:
     ) -> np.ndarray:
         """Encode ``x`` and add this party's pairwise masks for ``group``; uint64 of ``x.shape``.
 
-        For every other member v: add the keystream of stream_key(pair_key(self, v), domain) if
+        For every other member v: add the AES-128-CTR keystream of mask_key(pair_key(self, v))
+        from the nonce stream_nonce(domain) if
         ``self.name < v`` (string order), else subtract it. The result alone is uniformly random
         in Z_2^64; the sum over the whole group is the encoded sum of the inputs. ``out`` (a
         C-contiguous uint64 array of ``x.size`` elements) receives the result. Refuses: this
@@ -408,7 +434,7 @@ class MaskedSumParty:
         """Mask several tensors of one call for one group: name -> uint64 array of its shape.
 
         One keystream per pair covers all the tensors (:class:`MaskCallDomain`: sorted by name,
-        back to back), so the call pays one key derivation per pair, not one per tensor; each
+        back to back), so the call pays one stream set-up per pair, not one per tensor; each
         tensor's mask is the segment at its offset. The results are views into one buffer of
         ``sum(sizes)`` words (``out`` when given: C-contiguous uint64 of that size). Every
         member must mask the same names and sizes for the masks to cancel. One tensor gives
@@ -417,7 +443,7 @@ class MaskedSumParty:
         if not isinstance(xs, Mapping):
             raise TypeError(f"xs must map tensor names to arrays, got {type(xs).__name__}")
         arrays = {tensor: self.encoder.check_dtype(x) for tensor, x in xs.items()}
-        domain, domain_bytes, digest = self._resolve(
+        domain, _, digest, nonce = self._resolve(
             round, group, {tensor: x.size for tensor, x in arrays.items()}
         )
         self._check_unused(domain, digest)
@@ -439,8 +465,8 @@ class MaskedSumParty:
         if out is None:
             out = net if net is not None else np.empty(total, dtype=np.uint64)
         flat_out = out.reshape(-1)
-        streams = [] if net is not None else self._streams(domain, domain_bytes)
-        refused = self._run_fused(inputs, offsets, flat_out, streams, net, in_place)
+        streams = [] if net is not None else self._streams(domain)
+        refused = self._run_fused(inputs, offsets, flat_out, streams, nonce, net, in_place)
         if refused >= 0:
             flat_out.fill(0)  # no partly masked data may escape; the domain stays usable
             if prepared is not None and net is not None and not in_place:
@@ -461,6 +487,7 @@ class MaskedSumParty:
         offsets: list[int],
         out: np.ndarray,
         streams: list[tuple[bytes, bool]],
+        nonce: bytes,
         net: np.ndarray | None,
         in_place: bool,
     ) -> int:
@@ -481,6 +508,8 @@ class MaskedSumParty:
                 start,
                 stop,
                 streams,
+                nonce,
+                self._ciphers,
                 net,
                 in_place,
                 self.encoder.shift,
@@ -518,7 +547,7 @@ class MaskedSumParty:
         negative sizes, a domain already masked under, and more than
         :data:`MAX_PREPARED` pending preparations (each holds ``8 * sum(sizes)`` bytes).
         """
-        domain, domain_bytes, digest = self._resolve(round, group, sizes)
+        domain, _, digest, nonce = self._resolve(round, group, sizes)
         total = 0
         for tensor, size in sizes.items():
             if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
@@ -535,18 +564,19 @@ class MaskedSumParty:
             raise ValueError(
                 f"{MAX_PREPARED} preparations are already pending; mask or close() first"
             )
-        streams = self._streams(domain, domain_bytes)  # keys derived here: the worker only reads
+        streams = self._streams(domain)  # keys derived here: the worker only reads
         net = np.empty(total, dtype=np.uint64)
         if inline:
-            future: Future[None] = Future()
-            _net_mask(net, streams, self.encoder.shift)
-            future.set_result(None)
+            _net_mask(net, streams, nonce, self._ciphers, self.encoder.shift)
+            future = _DONE
         else:
             if self._prefetch_pool is None:
                 self._prefetch_pool = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="mask-prep"
                 )
-            future = self._prefetch_pool.submit(_net_mask, net, streams, self.encoder.shift)
+            future = self._prefetch_pool.submit(
+                _net_mask, net, streams, nonce, self._ciphers, self.encoder.shift
+            )
         self._prepared[digest] = (net, future)
         return future
 
@@ -574,6 +604,14 @@ class MaskedSumParty:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         self._prefetch_pool = self._split_pool = None
+        self._ciphers.clear()
+
+
+# what `_resolve` gives: (domain, its encoding, its digest, its keystreams' nonce)
+_Resolved = tuple[MaskDomain | MaskCallDomain, bytes, bytes, bytes]
+# the job of masks prepared inline: finished, never cancelled, shared (it holds no result)
+_DONE: Future[None] = Future()
+_DONE.set_result(None)
 
 
 def _prepared_masks(
@@ -600,6 +638,8 @@ def _mask_range(
     start: int,
     stop: int,
     streams: Sequence[tuple[bytes, bool]],
+    nonce: bytes,
+    ciphers: CounterStreams,
     net: np.ndarray | None,
     in_place: bool,
     shift: np.uint64,
@@ -608,18 +648,21 @@ def _mask_range(
 
     Chunk by chunk, while it is in cache: the encoder writes ``encoding + shift``, then either
     the prepared masks ``net`` (which include ``-shift``) are added, or every pair's keystream
-    (opened at ``start``) and ``-shift`` are. ``in_place`` (``net`` is ``out``): the encodings
-    go to a scratch chunk and are added into it. Returns -1, or the index of the first
-    tensor the encoder refused (``out`` is then partly written).
+    (from word ``start``, an even offset: a whole block) and ``-shift`` are. ``in_place``
+    (``net`` is ``out``): the encodings go to a scratch chunk and are added into it. Returns
+    -1, or the index of the first tensor the encoder refused (``out`` is then partly
+    written).
     """
     if start >= stop:
         return -1
-    scratch_words = min(MASK_CHUNK_WORDS, stop - start) if net is None or in_place else 0
-    scratch = np.empty(scratch_words, dtype=np.uint64)
+    chunk_words = min(MASK_CHUNK_WORDS, stop - start)
+    scratch_words = chunk_words if net is None or in_place else 0
+    # the keystream scratch has ECB's slack past its last whole block
+    scratch = np.empty(scratch_words + (scratch_words & 1) + SLACK_WORDS, dtype=np.uint64)
     scratch_bytes = scratch.view(np.uint8)
-    scratch_zeros = _ZEROS[: scratch_bytes.size]
+    blocks = np.empty(16 * ((chunk_words + 1) // 2) if net is None else 0, dtype=np.uint8)
     fills = [
-        (Keystream(key, start_word=start).update_into, np.add if add else np.subtract)
+        (ciphers.encryptor(key), np.add if add else np.subtract)
         for key, add in (streams if net is None else ())
     ]
     tensor = bisect.bisect_right(offsets, start) - 1
@@ -643,40 +686,47 @@ def _mask_range(
         if net is not None:
             np.add(chunk, encoded if in_place else net[chunk_start:chunk_stop], out=chunk)
             continue
-        if words == scratch.size:
-            buffer, buffer_bytes, zeros = scratch, scratch_bytes, scratch_zeros
-        else:
-            buffer, buffer_bytes = scratch[:words], scratch_bytes[: 8 * words]
-            zeros = _ZEROS[: 8 * words]
-        for fill, combine in fills:
-            fill(zeros, buffer_bytes)
-            combine(chunk, buffer, out=chunk)
+        if fills:
+            counters = counter_blocks(nonce, chunk_start // 2, (words + 1) // 2, blocks)
+            keystream = scratch[:words]
+            for fill, combine in fills:
+                fill(counters, scratch_bytes)
+                combine(chunk, keystream, out=chunk)
         if shift:
             np.subtract(chunk, shift, out=chunk)
     return -1
 
 
-def _net_mask(net: np.ndarray, streams: Sequence[tuple[bytes, bool]], shift: np.uint64) -> None:
+def _net_mask(
+    net: np.ndarray,
+    streams: Sequence[tuple[bytes, bool]],
+    nonce: bytes,
+    ciphers: CounterStreams,
+    shift: np.uint64,
+) -> None:
     """Write this party's whole mask minus ``shift`` (the sum of +-keystreams) into ``net``."""
     total = net.size
     if total == 0:
         return
     ordered = sorted(streams, key=lambda stream: not stream[1])  # an added stream first
     negate = not ordered[0][1]  # every stream is subtracted: sum them, negate at the end
-    fills = [Keystream(key).update_into for key, _ in ordered]
+    fills = [ciphers.encryptor(key) for key, _ in ordered]
     combines = [np.add if add or negate else np.subtract for _, add in ordered[1:]]
     # -shift - sum, in one pass: np.subtract(minus_shift, chunk)
     minus_shift = np.uint64((-int(shift)) % (1 << 64))
-    keystream = np.empty(min(MASK_CHUNK_WORDS, total), dtype=np.uint64)
+    chunk_words = min(MASK_CHUNK_WORDS, total)
+    keystream = np.empty(chunk_words + (chunk_words & 1) + SLACK_WORDS, dtype=np.uint64)
     keystream_bytes = keystream.view(np.uint8)
-    net_bytes = net.view(np.uint8)
+    blocks = np.empty(16 * ((chunk_words + 1) // 2), dtype=np.uint8)
     for start in range(0, total, MASK_CHUNK_WORDS):
         stop = min(start + MASK_CHUNK_WORDS, total)
         words = stop - start
-        chunk, zeros = net[start:stop], _ZEROS[: 8 * words]
-        fills[0](zeros, net_bytes[8 * start : 8 * stop])  # the first stream straight in place
+        chunk = net[start:stop]
+        counters = counter_blocks(nonce, start // 2, (words + 1) // 2, blocks)
+        fills[0](counters, keystream_bytes)
+        np.copyto(chunk, keystream[:words])
         for fill, combine in zip(fills[1:], combines, strict=True):
-            fill(zeros, keystream_bytes[: 8 * words])
+            fill(counters, keystream_bytes)
             combine(chunk, keystream[:words], out=chunk)
         if negate:
             np.subtract(minus_shift, chunk, out=chunk)

@@ -17,13 +17,18 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 __all__ = [
     "KEYSTREAM_CHUNK_WORDS",
     "MAX_FILL_WORDS",
+    "MAX_STREAM_WORDS",
+    "CounterStreams",
     "Keystream",
+    "counter_blocks",
     "keystream_uint64",
+    "mask_key",
     "random_uint64",
-    "stream_key",
+    "stream_nonce",
 ]
 
 STREAM_KEY_BYTES = 16
+STREAM_NONCE_BYTES = 12
 # Keystream is produced in chunks that stay in L2 cache while they are consumed.
 KEYSTREAM_CHUNK_WORDS = 1 << 15
 # The largest piece one fill_words call takes: the size of the shared block of zeros.
@@ -33,43 +38,67 @@ _AES_BLOCK_BYTES = 16
 _WORDS_PER_BLOCK = _AES_BLOCK_BYTES // _WORD_BYTES
 # Encrypting zeros yields the raw keystream; one shared read-only block of zeros is the input.
 _ZERO_BLOCK = memoryview(bytes(MAX_FILL_WORDS * _WORD_BYTES))
-# CTR counter blocks are 128-bit big-endian integers; OpenSSL increments all 128 bits.
-_COUNTER_LIMIT = 1 << 128
+# A counter block is the 12-byte nonce and a 32-bit big-endian block counter (as in GCM): one
+# stream is at most 2**32 blocks, 2**33 words (64 GiB), which no call comes near.
+MAX_STREAM_BLOCKS = 1 << 32
+MAX_STREAM_WORDS = MAX_STREAM_BLOCKS * _WORDS_PER_BLOCK
+# ECB's update_into wants room for one more block than it writes (it never writes there)
+SLACK_WORDS = 2
+MASK_KEY_INFO = b"securevfl/mask-key/v2"
+STREAM_NONCE_PREFIX = b"securevfl/mask-nonce/v2"
+# the block counters of one MAX_FILL_WORDS piece, big-endian, for counter blocks (read-only)
+_COUNTERS = np.arange(MAX_FILL_WORDS // _WORDS_PER_BLOCK, dtype=">u4")
+_COUNTERS.flags.writeable = False
 
 
-def stream_key(*, pair_key: bytes, domain: bytes) -> bytes:
-    """Derive the 16-byte AES-128 key of one mask: ``HMAC-SHA256(pair_key, domain)[:16]``.
-
-    Distinct domains give independent keys (domain separation), so one pair key serves every
-    round, group and tensor. Refuses a pair key that is not 32 bytes and an empty domain.
-    """
+def mask_key(pair_key: bytes) -> bytes:
+    """The 16-byte AES-128 key of a pair's masks: ``HMAC-SHA256(pair_key, MASK_KEY_INFO)[:16]``,
+    one per pair and session (the pair key binds the session). Each mask under it is the
+    keystream of its own nonce (:func:`stream_nonce`). Refuses a pair key that is not 32
+    bytes."""
     if not isinstance(pair_key, bytes) or len(pair_key) != 32:
         raise ValueError("pair_key must be 32 bytes (the output of pair_key())")
+    return hmac.digest(pair_key, MASK_KEY_INFO, "sha256")[:STREAM_KEY_BYTES]
+
+
+def stream_nonce(domain: bytes) -> bytes:
+    """The 12-byte CTR nonce of one mask: ``SHA-256(STREAM_NONCE_PREFIX || domain)[:12]``.
+
+    Distinct domains give distinct nonces (a collision of 96 bits would take some 2**48
+    domains under one pair key), so one pair's key serves every round, group and tensor with
+    independent keystreams (domain separation). Refuses an empty domain."""
     if not isinstance(domain, bytes) or not domain:
         raise ValueError("domain must be non-empty bytes (use MaskDomain.encode())")
-    return hmac.new(pair_key, domain, hashlib.sha256).digest()[:STREAM_KEY_BYTES]
+    return hashlib.sha256(STREAM_NONCE_PREFIX + domain).digest()[:STREAM_NONCE_BYTES]
+
+
+def _check_nonce(nonce: bytes) -> None:
+    if not isinstance(nonce, bytes) or len(nonce) != STREAM_NONCE_BYTES:
+        raise ValueError(f"nonce must be {STREAM_NONCE_BYTES} bytes (use stream_nonce())")
 
 
 class Keystream:
     """An AES-128-CTR keystream read sequentially as uint64 words.
 
-    Word ``i`` of the stream is bytes ``[8i, 8i + 8)`` of AES-128-CTR under ``key`` from
-    counter block 0 (safe because every stream key is used for exactly one domain).
-    ``start_word`` opens the stream at word ``start_word`` (the counter is set to the block
-    holding it), so disjoint ranges of one stream can be produced independently, e.g. by
-    several threads. Successive fills continue the stream. Refuses a key that is not 16 bytes
-    and a negative ``start_word``.
+    Word ``i`` of the stream is bytes ``[8i, 8i + 8)`` of AES-128-CTR under ``key`` from the
+    counter block ``nonce || 0`` (a 32-bit big-endian block counter after the 12-byte
+    ``nonce``; all zeros by default). ``start_word`` opens the stream at word ``start_word``
+    (the counter is set to the block holding it), so disjoint ranges of one stream can be
+    produced independently, e.g. by several threads. Successive fills continue the stream; a
+    stream is at most :data:`MAX_STREAM_WORDS` words (the caller keeps within it). Refuses a
+    key that is not 16 bytes, a nonce that is not 12, and a ``start_word`` outside the stream.
     """
 
-    def __init__(self, key: bytes, *, start_word: int = 0) -> None:
+    def __init__(self, key: bytes, *, start_word: int = 0, nonce: bytes = bytes(12)) -> None:
         if not isinstance(key, bytes) or len(key) != STREAM_KEY_BYTES:
-            raise ValueError(f"keystream key must be {STREAM_KEY_BYTES} bytes (use stream_key())")
+            raise ValueError(f"keystream key must be {STREAM_KEY_BYTES} bytes (use mask_key())")
+        _check_nonce(nonce)
         if isinstance(start_word, bool) or not isinstance(start_word, int) or start_word < 0:
             raise ValueError(f"start_word must be a non-negative int, got {start_word!r}")
         block, skip_words = divmod(start_word, _WORDS_PER_BLOCK)
-        if block >= _COUNTER_LIMIT:
-            raise ValueError("start_word is beyond the 2**128 blocks of one AES-CTR stream")
-        counter = block.to_bytes(_AES_BLOCK_BYTES, "big")
+        if block >= MAX_STREAM_BLOCKS:
+            raise ValueError("start_word is beyond the 2**32 blocks of one stream")
+        counter = nonce + block.to_bytes(4, "big")
         self._encryptor = Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor()
         # Bound once: the hot loop calls it per chunk without attribute lookups.
         self.update_into = self._encryptor.update_into
@@ -95,13 +124,19 @@ class Keystream:
 
 
 def keystream_uint64(
-    key: bytes, n: int, *, out: np.ndarray | None = None, start_word: int = 0
+    key: bytes,
+    n: int,
+    *,
+    out: np.ndarray | None = None,
+    start_word: int = 0,
+    nonce: bytes = bytes(12),
 ) -> np.ndarray:
-    """Return ``n`` uint64 words of the AES-128-CTR keystream of ``key``, from ``start_word``.
+    """Return ``n`` uint64 words of the AES-128-CTR keystream of ``key`` and ``nonce``, from
+    ``start_word`` (see :class:`Keystream`).
 
     With ``out`` (uint64, C-contiguous, exactly ``n`` elements) the words are written into it
-    without any other allocation. Deterministic for a key; refuses negative ``n`` or
-    ``start_word``, a mismatched ``out`` and a key that is not 16 bytes.
+    without any other allocation. Deterministic for a key and nonce; refuses negative ``n`` or
+    ``start_word``, a mismatched ``out``, a key that is not 16 bytes and a nonce not 12.
     """
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
@@ -109,7 +144,60 @@ def keystream_uint64(
         out = np.empty(int(n), dtype=np.uint64)
     elif out.size != n:
         raise ValueError(f"out has {out.size} elements, expected n={n}")
-    return Keystream(key, start_word=start_word).fill(out)
+    return Keystream(key, start_word=start_word, nonce=nonce).fill(out)
+
+
+# --- many streams of one key: CTR done by hand on a reusable AES context
+
+
+def counter_blocks(nonce: bytes, first_block: int, count: int, out: np.ndarray) -> np.ndarray:
+    """CTR's input for blocks ``first_block .. first_block + count - 1`` of the stream of
+    ``nonce``: each 16-byte block is ``nonce || first_block + i`` (32-bit big-endian),
+    written into ``out`` (a C-contiguous uint8 array of at least ``16 * count`` bytes); returns
+    the uint8 view of those bytes. Encrypting them with AES-ECB under a key gives exactly the
+    keystream :class:`Keystream` makes for that key and nonce. No checks beyond the stream's
+    length: the fast path for callers that own the buffer."""
+    if first_block + count > MAX_STREAM_BLOCKS:
+        raise ValueError("the blocks run past the 2**32 blocks of one stream")
+    blocks = out[: _AES_BLOCK_BYTES * count].view(">u4").reshape(count, 4)
+    blocks[:, :3] = np.frombuffer(nonce, dtype=">u4")
+    if first_block + count <= _COUNTERS.size:
+        blocks[:, 3] = _COUNTERS[first_block : first_block + count]
+    else:
+        blocks[:, 3] = np.arange(first_block, first_block + count, dtype=np.uint64)
+    return out[: _AES_BLOCK_BYTES * count]
+
+
+class CounterStreams:
+    """AES-128-CTR keystreams of a few keys under many nonces without a cipher object per
+    stream: one AES-ECB context per key (and thread: a context serves one thread at a time)
+    encrypts the counter blocks of :func:`counter_blocks`, i.e. computes CTR itself. Setting
+    up an OpenSSL cipher costs about as much as encrypting 30 KiB, more with cold caches, and
+    a masking party would otherwise pay it for every pair, every round. The contexts hold key
+    schedules: drop the object (or :meth:`clear`) with the keys."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def encryptor(self, key: bytes):  # -> Callable[[bytes-like, writable], int]
+        """The ``update_into`` of this thread's ECB context for ``key``: call it as
+        ``update_into(blocks, out)`` with whole blocks and ``out`` at least
+        ``len(blocks) + 15`` bytes long (OpenSSL's room for a partial block; the bytes past
+        ``len(blocks)`` are left as they were)."""
+        contexts = getattr(self._local, "contexts", None)
+        if contexts is None:
+            contexts = self._local.contexts = {}
+        update_into = contexts.get(key)
+        if update_into is None:
+            if not isinstance(key, bytes) or len(key) != STREAM_KEY_BYTES:
+                raise ValueError(f"keystream key must be {STREAM_KEY_BYTES} bytes")
+            cipher = Cipher(algorithms.AES(key), modes.ECB())
+            update_into = contexts[key] = cipher.encryptor().update_into
+        return update_into
+
+    def clear(self) -> None:
+        """Drop this thread's contexts."""
+        self._local.contexts = {}
 
 
 # --- random words for noise

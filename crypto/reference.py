@@ -1,7 +1,8 @@
-"""The unfused masked-sum algorithm (version 1), kept as the specification of the fast path.
+"""The unfused masked-sum algorithm, kept as the specification of the fast path.
 
 This is the code of ``FixedPointEncoder.encode`` and ``MaskedSumParty.mask`` before they were
-fused, unchanged in structure: tests check the fused path against it bit for bit, and the
+fused, unchanged in structure (the keystreams of version 2: one AES key per pair, a nonce per
+domain): tests check the fused path against it bit for bit, and the
 benchmarks measure it as the "before". Never on the hot path.
 """
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from crypto.fixedpoint import ENCODE_CHUNK_WORDS, FixedPointEncoder
 from crypto.masking import MaskDomain
-from crypto.prg import KEYSTREAM_CHUNK_WORDS, Keystream, stream_key
+from crypto.prg import KEYSTREAM_CHUNK_WORDS, Keystream, mask_key, stream_nonce
 
 __all__ = ["reference_encode", "reference_mask"]
 
@@ -51,15 +52,17 @@ def reference_mask(
     pair_keys: dict[str, bytes],
     domain: MaskDomain,
 ) -> np.ndarray:
-    """Version 1 of one party's masked contribution: encode, then for each other member v of
-    ``domain.group`` add (``name < v``) or subtract the keystream of
-    ``stream_key(pair_keys[v], domain.encode())``, chunk by chunk. No refusals beyond the
-    encoder's, no bookkeeping of used domains."""
+    """One party's masked contribution, unfused: encode, then for each other member v of
+    ``domain.group`` add (``name < v``) or subtract the AES-128-CTR keystream of
+    ``mask_key(pair_keys[v])`` from the nonce ``stream_nonce(domain.encode())``, chunk by
+    chunk, with OpenSSL's own CTR mode. No refusals beyond the encoder's, no bookkeeping of
+    used domains. (Version 1 keyed each mask by ``HMAC(pair key, domain)``, one AES key set-up
+    per pair and round; version 2 keys each pair once and separates domains by the nonce.)"""
     masked = reference_encode(encoder, x)
     domain_bytes = domain.encode()
     streams = [
         (
-            Keystream(stream_key(pair_key=pair_keys[peer], domain=domain_bytes)),
+            Keystream(mask_key(pair_keys[peer]), nonce=stream_nonce(domain_bytes)),
             np.add if name < peer else np.subtract,
         )
         for peer in domain.group

@@ -1,4 +1,5 @@
-"""X25519 masking keys, pair-key agreement, stream keys and the AES-CTR keystream."""
+"""X25519 masking keys, pair-key agreement, mask keys and nonces, the AES-CTR keystream and CTR
+done by hand on a reusable ECB context."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -18,10 +20,14 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from crypto.keys import MaskingKeyPair, pair_key
 from crypto.prg import (
     KEYSTREAM_CHUNK_WORDS,
+    MAX_FILL_WORDS,
+    CounterStreams,
     Keystream,
+    counter_blocks,
     keystream_uint64,
+    mask_key,
     random_uint64,
-    stream_key,
+    stream_nonce,
 )
 
 CRYPTO_DIR = pathlib.Path(__file__).resolve().parents[2] / "crypto"
@@ -122,14 +128,60 @@ def test_pair_key_refusals(keys: dict[str, MaskingKeyPair]) -> None:
         pair_key(**{**good, "peer_public": bytes(32)})
 
 
-def test_stream_key_is_truncated_hmac_and_separates_domains() -> None:
+def test_mask_key_is_truncated_hmac_of_the_pair_key_and_nonces_separate_domains() -> None:
     key = bytes(range(32))
-    assert stream_key(pair_key=key, domain=b"d1") == hmac.digest(key, b"d1", "sha256")[:16]
-    assert stream_key(pair_key=key, domain=b"d1") != stream_key(pair_key=key, domain=b"d2")
+    assert mask_key(key) == hmac.digest(key, b"securevfl/mask-key/v2", "sha256")[:16]
+    assert mask_key(key) != mask_key(bytes(32))
     with pytest.raises(ValueError, match="32 bytes"):
-        stream_key(pair_key=key[:16], domain=b"d1")
+        mask_key(key[:16])
+    expected = hashlib.sha256(b"securevfl/mask-nonce/v2d1").digest()[:12]
+    assert stream_nonce(b"d1") == expected
+    assert stream_nonce(b"d1") != stream_nonce(b"d2")
     with pytest.raises(ValueError, match="non-empty"):
-        stream_key(pair_key=key, domain=b"")
+        stream_nonce(b"")
+
+
+@pytest.mark.parametrize("first", [0, 1, 5, MAX_FILL_WORDS // 2 - 3, MAX_FILL_WORDS, 2**32 - 7])
+@pytest.mark.parametrize("count", [1, 2, 7])
+def test_counter_blocks_under_ecb_are_the_ctr_keystream(first: int, count: int) -> None:
+    # CTR done by hand (one reusable ECB context) gives OpenSSL's CTR bits for that nonce
+    key, nonce = hashlib.sha256(b"k").digest()[:16], hashlib.sha256(b"n").digest()[:12]
+    blocks = counter_blocks(nonce, first, count, np.empty(16 * count + 5, dtype=np.uint8))
+    assert blocks.size == 16 * count
+    assert blocks[:12].tobytes() == nonce and blocks[12:16].tobytes() == first.to_bytes(4, "big")
+    streams = CounterStreams()
+    out = np.zeros(16 * count + 15, dtype=np.uint8)
+    assert streams.encryptor(key)(blocks, out) == 16 * count
+    expected = keystream_uint64(key, 2 * count, nonce=nonce, start_word=2 * first)
+    assert out[: 16 * count].tobytes() == expected.tobytes()
+    assert not out[16 * count :].any()  # the slack is never written
+    with pytest.raises(ValueError, match="2\\*\\*32 blocks"):
+        counter_blocks(nonce, 2**32 - 1, 2, np.empty(32, dtype=np.uint8))
+
+
+def test_counter_streams_keep_one_context_per_key_and_thread() -> None:
+    streams = CounterStreams()
+    key = bytes(range(16))
+    assert streams.encryptor(key) is streams.encryptor(key)
+    assert streams.encryptor(key) is not streams.encryptor(bytes(16))
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(streams.encryptor(key)))
+    thread.start(), thread.join()
+    assert other[0] is not streams.encryptor(key)
+    with pytest.raises(ValueError, match="16 bytes"):
+        streams.encryptor(b"short")
+    streams.clear()
+    assert streams.encryptor(key) is not other[0]
+
+
+def test_a_keystream_with_a_nonce_starts_at_counter_block_nonce_zero() -> None:
+    key, nonce = bytes(range(16)), bytes(range(12))
+    reference = Cipher(algorithms.AES(key), modes.CTR(nonce + bytes(4))).encryptor()
+    assert keystream_uint64(key, 9, nonce=nonce).tobytes() == reference.update(bytes(72))
+    with pytest.raises(ValueError, match="12 bytes"):
+        keystream_uint64(key, 9, nonce=bytes(16))
+    with pytest.raises(ValueError, match="2\\*\\*32 blocks"):
+        Keystream(key, start_word=2**33)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, KEYSTREAM_CHUNK_WORDS, 2 * KEYSTREAM_CHUNK_WORDS + 7])
@@ -234,6 +286,7 @@ def test_random_words_from_several_threads_are_all_distinct() -> None:
     import threading
 
     out: list[np.ndarray] = []
+
     def draw() -> None:
         out.append(random_uint64(1 << 15))
 

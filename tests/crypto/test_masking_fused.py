@@ -26,7 +26,8 @@ from crypto import (
     SumDidNotCancel,
     decode_sum,
     keystream_uint64,
-    stream_key,
+    mask_key,
+    stream_nonce,
 )
 from crypto.masking import MASK_CHUNK_WORDS, MAX_PREPARED, MaskCallDomain, MaskDomain
 from crypto.prg import Keystream
@@ -87,8 +88,8 @@ def reference_call(
     for peer in domain.group:
         if peer == p.name:
             continue
-        key = stream_key(pair_key=p._pair_key(peer), domain=domain.encode())
-        stream = keystream_uint64(key, flat.size)
+        key = mask_key(p._pair_key(peer))
+        stream = keystream_uint64(key, flat.size, nonce=stream_nonce(domain.encode()))
         flat = flat + stream if p.name < peer else flat - stream
     offsets = [0, *itertools.accumulate(xs[name].size for name in names)]
     return {
