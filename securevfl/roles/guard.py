@@ -130,14 +130,18 @@ class FamilyGuard:
         groups = tuple(dict.fromkeys(groups))
         if len(ids) == 0:
             return None
-        known = self._tensors.setdefault(tensor, _Families())
-        if not known.blocks:
-            # the first sum of this version (every training forward): no family to look up
+        known = self._tensors.get(tensor)
+        if known is None:
+            known = self._tensors[tensor] = _Families()
+        if not known.blocks and known.first is None:
+            # the first sum of this version (every training forward): no family to look up,
+            # and the rows are sorted only if a second sum of the version comes
             isolated = isolating_set(groups, self.min_group)
             if isolated is not None:
                 return _isolating(tensor, groups, isolated, row=int(ids[0]), versioned=False)
-            known.add(np.unique(ids), known.index(groups))
+            known.first = (ids.copy(), known.index(groups))
             return None
+        known.settle()
         found = known.find(ids)  # (block, positions in it, mask over ids) per block hit
         which = np.zeros(len(ids), dtype=np.int64)  # each row's family (0: none yet)
         for b, positions, hit in found:
@@ -183,6 +187,15 @@ class _Families:
         self.families: list[tuple[frozenset[str], ...]] = [()]
         self._numbers: dict[tuple[frozenset[str], ...], int] = {(): 0}
         self.blocks: list[tuple[np.ndarray, np.ndarray]] = []
+        # the version's first sum, kept as given (ids, family) until a second one comes
+        self.first: tuple[np.ndarray, int] | None = None
+
+    def settle(self) -> None:
+        """Store the first sum's rows (sorted, unique) as a block."""
+        if self.first is not None:
+            ids, family = self.first
+            self.first = None
+            self.add(np.unique(ids), family)
 
     def index(self, family: tuple[frozenset[str], ...]) -> int:
         number = self._numbers.get(family)
