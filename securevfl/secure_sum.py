@@ -325,7 +325,8 @@ class MaskParty(PartySumStage):
     def protect(self, x, *, round, group, key):
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
-        x = np.asarray(x, dtype=np.float64)
+        # float32 values are encoded as they are (exactly as their float64 copy would be)
+        x = np.asarray(x)
         pending = self.masker.pending
         masked = self.masker.mask(x, round=round, group=group, tensor=key)
         self.ahead_used += self.masker.pending < pending  # it took masks made ahead
