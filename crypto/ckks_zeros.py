@@ -1,8 +1,9 @@
 """Encryptions of zero made by a helper process at the lowest CPU priority.
 
 A CKKS contribution is an encryption of zero plus the encoded values (see ``crypto.ckks``). The
-public-key encryption of zero is most of a party's CKKS work (about 0.6 ms of CPU per 4096
-values at the Credit defaults, 0.9 ms when the chain had a special prime) and SEAL holds the
+public-key encryption of zero is most of a party's CKKS work (about 0.35 ms of CPU per 4096
+values at the Credit defaults, made by ``crypto.ckks._ZeroMaker``; 0.7 ms by SEAL's own
+``encrypt_zero``, 0.9 ms when the chain had a special prime) and SEAL holds the
 GIL while it runs, so a thread of the party cannot make it without taking the GIL from the
 party's own work, and at the same CPU priority it competes with the federation's critical path
 (the aggregator and the key holder) for the cores.

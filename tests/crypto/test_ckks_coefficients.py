@@ -32,8 +32,9 @@ def test_credits_sums_use_one_prime_and_the_coefficient_form(keys) -> None:
     holder, public = keys
     assert CREDIT == CkksParams(4096, (52,), 34, special_prime=False)
     assert CREDIT.encoding == "coefficients" and public.params == CREDIT
-    zero = public._codec.zero(public._encryptor)
-    assert not zero.is_ntt_form()
+    zero = public._codec.zero(public._encryptor)  # made as coefficients (`_ZeroMaker`)
+    assert isinstance(zero, np.ndarray) and zero.shape == (2, 1, 4096)
+    assert int(zero.max()) < public._codec._moduli[0]
     chunk = public.encrypt(np.arange(5.0)).chunks[0]
     assert chunk[4:8] == b"CKC1"
     assert len(chunk) == 4 + 4 + 32 + 2 * 4096 * 7  # 52 bits in 7 bytes: 14 bytes per value
@@ -110,7 +111,7 @@ def test_a_chunk_of_the_other_encoding_is_refused(keys) -> None:
 def test_a_seal_format_chunk_in_ntt_form_is_refused_in_a_coefficient_context(keys) -> None:
     holder, public = keys
     seal = CkksPublic(context_bytes=holder.public_context_bytes(), wire="seal")
-    ct = seal._codec.zero(seal._encryptor)
+    ct = seal._codec.ciphertext_of(seal._codec.zero(seal._encryptor))
     seal._codec.evaluator.transform_to_ntt_inplace(ct)  # the form of the slot encoding
     chunk = seal._codec.dump(ct, 3)
     assert chunk[4:6] == b"\x5e\xa1"
@@ -145,3 +146,96 @@ def test_the_key_holders_decryption_leaves_the_carrier_as_it_was(keys) -> None:
         np.testing.assert_allclose(out, value, atol=1e-6)
     assert np.array_equal(codec._access.view(carrier), before)
     assert isinstance(carrier, sealapi.Ciphertext)
+
+
+# --- the encryptions of zero made here (`_ZeroMaker`) ------------------------------------------
+
+
+def _words_from(monkeypatch, fill) -> None:
+    """Make `crypto.ckks.random_uint64` return `fill(n)` (uint64 words) instead of randomness."""
+    import crypto.ckks as ckks
+
+    monkeypatch.setattr(ckks, "random_uint64", lambda n: fill(int(n)).astype(np.uint64))
+
+
+def test_zeros_are_made_here_with_the_noise_of_seals_own(keys) -> None:
+    # the same distribution as SEAL's encrypt_zero: the decryptions' noise has the same spread
+    holder, public = keys
+    codec = public._codec
+    assert codec._zero_maker() is not None
+    scale = 2.0**CREDIT.scale_bits
+    ours, seals = [], []
+    for _ in range(20):
+        ours.append(
+            codec.decrypt_values(codec.ciphertext_of(codec.zero(None)), holder._decryptor, 4096)
+        )
+        theirs = codec._fresh_zero(public._encryptor)
+        codec.evaluator.transform_from_ntt_inplace(theirs)
+        seals.append(codec.decrypt_values(theirs, holder._decryptor, 4096))
+    ours_std, seals_std = np.std(ours) * scale, np.std(seals) * scale
+    # sqrt(2 N (2/3) 21/2) = 239 for N = 4096: -u e_pk + e0 + e1 s
+    assert 225 < seals_std < 255 and abs(ours_std / seals_std - 1) < 0.03
+    assert abs(np.mean(ours) * scale) < 5  # 81920 values: the mean's std is about 0.8
+    a, b = codec.zero(None), codec.zero(None)
+    assert not np.array_equal(a, b)  # fresh randomness every time
+
+
+def test_a_zero_with_u_one_is_the_public_key_plus_the_errors(keys, monkeypatch) -> None:
+    # exact ring arithmetic: bytes that make u = 1 give pk + e, u = -1 give e - pk (u = 0 would
+    # be a transparent ciphertext, which SEAL refuses to transform; 3^-4096 at random)
+    from crypto.ckks import _TERNARY_WORDS
+
+    _, public = keys
+    codec = public._codec
+    q, n = codec._moduli[0], 4096
+    errors = np.zeros(2 * n, dtype=np.uint64)  # the first 2n words: e0 then e1
+    errors[:3] = [(1 << 21) - 1, ((1 << 21) - 1) << 21, 0b101 | (1 << 21)]  # +21, -21, +1
+    expected_errors = np.zeros((2, n), dtype=object)
+    expected_errors[0, :3] = [21, q - 21, 1]
+    pk = sealapi.Ciphertext(codec.seal)  # the public key out of NTT form
+    codec.evaluator.negate(codec._template, pk)
+    codec._access.view(pk)[...] = codec._access.view(codec._setup.public_key.data())
+    codec.evaluator.transform_from_ntt_inplace(pk)
+    key = codec._access.view(pk)[:, 0, :].astype(object)
+    for byte, expected in ((2, (key + expected_errors) % q), (0, (q - key + expected_errors) % q)):
+        ternary = np.full(8 * _TERNARY_WORDS(n), 1, dtype=np.uint8)  # b mod 3 - 1 = 0
+        ternary[0] = byte  # u = +-1, the constant polynomial
+        ternary = ternary.view(np.uint64)
+        _words_from(monkeypatch, lambda k, t=ternary: np.concatenate([errors, t])[:k])
+        zero = codec._zero_maker().make(codec._blank())  # 2 -> u = 1, 0 -> u = -1
+        assert (zero[:, 0, :].astype(object) == expected).all()
+
+
+def test_ternary_coefficients_are_uniform_and_reject_byte_255() -> None:
+    from crypto.ckks import ternary_residues
+
+    q = (1 << 51) + 1
+    got = ternary_residues(np.array([255, 0, 1, 2, 255, 3, 4, 5], dtype=np.uint8), 6, q)
+    assert got.tolist() == [q - 1, 0, 1, q - 1, 0, 1]
+    rng = np.random.default_rng(0)
+    values = ternary_residues(rng.integers(0, 256, 400_000, dtype=np.uint8), 300_000, q)
+    counts = [int(np.sum(values == v)) for v in (q - 1, 0, 1)]
+    assert sum(counts) == 300_000
+    chi2 = sum((c - 100_000) ** 2 / 100_000 for c in counts)
+    assert chi2 < 20  # 2 degrees of freedom: p < 5e-5 by chance
+    # too few bytes below 255: more are drawn from the CSPRNG, never a shorter result
+    assert ternary_residues(np.full(10, 255, dtype=np.uint8), 50, q).size == 50
+
+
+def test_errors_are_seals_centered_binomial_added_mod_q() -> None:
+    from crypto.ckks import add_cbd_errors
+
+    q = (1 << 51) + 1
+    coefficients = np.array([0, q - 1, 5, q - 3], dtype=np.uint64)
+    words = np.array(
+        [(1 << 21) - 1, (1 << 21) - 1, ((1 << 21) - 1) << 21, 0b11 << 21], dtype=np.uint64
+    )
+    add_cbd_errors(coefficients, words, q)
+    assert coefficients.tolist() == [21, 20, (5 - 21) % q, (q - 3 - 2) % q]
+    rng = np.random.default_rng(1)
+    many = np.zeros(200_000, dtype=np.uint64)
+    words = rng.integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True)
+    add_cbd_errors(many, words, q)
+    signed = np.where(many > q // 2, many.astype(np.float64) - q, many.astype(np.float64))
+    assert signed.min() >= -21 and signed.max() <= 21
+    assert abs(signed.var() - 10.5) < 0.2 and abs(signed.mean()) < 0.05

@@ -85,7 +85,7 @@ def test_fresh_ciphertexts_are_made_at_the_data_level_without_a_special_prime(ke
     params = public.params
     assert public.params == holder.params and not params.special_prime
     setup = public._codec._setup
-    zero = public._codec.zero(public._encryptor)
+    zero = public._codec._fresh_zero(public._encryptor)  # SEAL's (one prime: see _ZeroMaker)
     # every prime of the chain carries data; SEAL encrypted at that level (no division)
     assert zero.coeff_modulus_size() == len(params.coeff_mod_bit_sizes)
     assert list(zero.parms_id()) == list(setup.enc.key_parms_id())
