@@ -69,8 +69,8 @@ zero plus the plaintext, so the result is a fresh encryption). Each encryption o
 once. In the coefficient encoding without a special prime the zeros are made by
 :class:`_ZeroMaker` (SEAL's distributions and ring products, sampled in bulk: half the time of
 SEAL's ``encrypt_zero``). A chunk travels as a 4-byte value count and the ciphertext's
-coefficients copied out of SEAL's memory in as many bytes as each prime needs (the ``raw`` format: no file, no
-compression; within 1% of the size of SEAL's zstd serialisation at the default Credit
+coefficients copied out of SEAL's memory in as many bytes as each prime needs (the ``raw``
+format: no file, no compression; within 1% of the size of SEAL's zstd serialisation at the default Credit
 parameters and 7% smaller with one 56-bit prime, written in about a ninth and read in under
 half of SEAL's CPU time, measured by ``bench/ckks_overhead.py``), or SEAL's own serialisation
 (``seal``); see ``_CkksCodec``.
