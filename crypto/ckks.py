@@ -59,9 +59,9 @@ float32).
 
 Packing and speed. Two real values share each complex CKKS slot, so a ciphertext of degree N
 carries N values (TenSEAL's real-only vectors carry N/2 for the same bytes and time); every
-chunk is full but an array's last. The module drives SEAL through TenSEAL's ``sealapi``
-binding. SEAL holds the GIL in encryption, decryption, encoding and adding (the binding never
-releases it), so a thread pool cannot encrypt chunks in parallel; instead
+chunk is full but an array's last. The module drives SEAL through TenSEAL's ``sealapi`` binding.
+SEAL holds the GIL in encryption, decryption, encoding and adding (the binding never releases
+it), so a thread pool cannot encrypt chunks in parallel; instead
 :meth:`CkksPublic.prepare_zeros` precomputes encryptions of zero off the critical path (a
 caller's worker thread, while the caller waits on the network), and :meth:`CkksPublic.encrypt`
 then only encodes and adds each chunk into one (SEAL's encryption is exactly an encryption of
@@ -70,10 +70,10 @@ once. In the coefficient encoding without a special prime the zeros are made by
 :class:`_ZeroMaker` (SEAL's distributions and ring products, sampled in bulk: half the time of
 SEAL's ``encrypt_zero``). A chunk travels as a 4-byte value count and the ciphertext's
 coefficients copied out of SEAL's memory in as many bytes as each prime needs (the ``raw``
-format: no file, no compression; within 1% of the size of SEAL's zstd serialisation at the default Credit
-parameters and 7% smaller with one 56-bit prime, written in about a ninth and read in under
-half of SEAL's CPU time, measured by ``bench/ckks_overhead.py``), or SEAL's own serialisation
-(``seal``); see ``_CkksCodec``.
+format: no file, no compression; within 1% of the size of SEAL's zstd serialisation at the
+default Credit parameters and 7% smaller with one 56-bit prime, written in about a ninth and
+read in under half of SEAL's CPU time, measured by ``bench/ckks_overhead.py``), or SEAL's own
+serialisation (``seal``); see ``_CkksCodec``.
 
 Decryptions that leave the key holder. CKKS is approximate: a decryption is the message plus
 an error that depends on the secret key, and an adversary who sees exact decryptions of
