@@ -1504,9 +1504,21 @@ class DecryptionRelease:
     def flood_std(self, params: CkksParams, *, terms: int) -> float:
         return 2.0**self.flood_bits * error_bound(params, terms=terms)
 
-    def apply(self, values: np.ndarray, params: CkksParams, *, terms: int) -> np.ndarray:
+    def apply(
+        self,
+        values: np.ndarray,
+        params: CkksParams,
+        *,
+        terms: int,
+        normals: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """``values`` flooded and rounded. ``normals``: standard normal values of
+        ``csprng_normal`` made ahead for this release (each used for one release only), else
+        drawn now."""
         std = self.flood_std(params, terms=terms)
-        noisy = values + std * csprng_normal(values.shape)
+        if normals is None or normals.size != values.size:
+            normals = csprng_normal(values.shape)
+        noisy = values + std * normals.reshape(values.shape)
         grid = 2.0**self.precision_bits
         return np.round(noisy * grid) / grid
 
@@ -1589,11 +1601,13 @@ class CkksKeyHolder:
         shape: tuple[int, ...],
         release: DecryptionRelease | None = None,
         terms: int = 1,
+        normals: np.ndarray | None = None,
     ) -> np.ndarray:
         """Decrypt a (summed) packed ciphertext into a float64 array of ``shape``; with a
         `release`, flooded and rounded for a sum of `terms` ciphertexts (what may leave the key
-        holder). Without one, the raw decryption (CKKS noise of about 1e-8 at the defaults),
-        which must stay with the key holder.
+        holder), with `normals` made ahead if given (see :meth:`DecryptionRelease.apply`).
+        Without one, the raw decryption (CKKS noise of about 1e-8 at the defaults), which must
+        stay with the key holder.
 
         Refuses with :class:`CkksError`: a shape whose size differs from ``packed.length``,
         a wrong chunk count, and any chunk that fails the checks of the module docstring.
@@ -1613,7 +1627,7 @@ class CkksKeyHolder:
             count = _chunk_length(i, size, self.slots)
             out[start : start + count] = self._codec.decrypt_values(ct, self._decryptor, count)
         if release is not None:
-            out = release.apply(out, self.params, terms=terms)
+            out = release.apply(out, self.params, terms=terms, normals=normals)
         return out.reshape(shape)
 
 

@@ -172,6 +172,11 @@ class ActiveSumStage(ABC):
     ) -> np.ndarray:
         """The float64 sum, of `shape`."""
 
+    def waiting(self) -> None:
+        """The active party is about to wait for a result: value-independent work for the
+        next reveal may be done now. Nothing by default."""
+        return None
+
 
 def _one(arrays: Mapping[str, np.ndarray], key: str, who: str) -> np.ndarray:
     if set(arrays) != {key}:
@@ -660,15 +665,32 @@ class CkksActive(ActiveSumStage):
     def __init__(self, s: SumSession, *, key_holder: object) -> None:
         super().__init__(s)
         self.key_holder = key_holder
+        self._last_length = 0  # values of the latest reveal: the next one is likely the same
+        self._normals: np.ndarray | None = None  # its flooding noise, made ahead, used once
+
+    def waiting(self) -> None:
+        """The flooding noise of the next reveal (the size of the last one), drawn while the
+        key holder waits for the sum instead of after it arrives: fresh CSPRNG normals,
+        consumed by exactly one release (a reveal of another size draws its own)."""
+        if self.s.ckks_release is not None and self._last_length and self._normals is None:
+            from crypto.ckks import csprng_normal
+
+            self._normals = csprng_normal((self._last_length,))
 
     def reveal(self, combined, *, group, key, shape):
         from crypto.ckks import PackedCiphertexts
 
         length = int(np.prod(shape))
         packed = PackedCiphertexts(chunks=_chunks(combined, key, "aggregator"), length=length)
+        normals, self._normals = self._normals, None  # taken whatever its size: never reused
+        self._last_length = length
         # flooded and rounded: values derived from it leave the key holder (gradients)
         value = self.key_holder.decrypt_sum(
-            packed, shape=tuple(shape), release=self.s.ckks_release, terms=len(group)
+            packed,
+            shape=tuple(shape),
+            release=self.s.ckks_release,
+            terms=len(group),
+            normals=normals,
         )
         return np.asarray(value, dtype=np.float64)
 

@@ -295,6 +295,7 @@ class ActiveRound:
         if posted.round in self._results:
             result = self._results.pop(posted.round)
         else:
+            self.stage.waiting()  # e.g. the next reveal's flooding noise, while the sum comes
             result = self.exchange.receive(posted.round, posted.what)
         held, op, what, to = posted.held, posted.op, posted.what, posted.to
         if result.meta.get("refused"):

@@ -417,3 +417,45 @@ def test_a_helper_started_early_is_the_one_the_party_attaches(monkeypatch):
         helper.close()
     monkeypatch.setenv("SECUREVFL_CKKS_ZEROS", "fresh")  # the environment overrides
     assert secure_sum.start_zero_helper("helper") is None
+
+
+def test_the_key_holder_draws_the_next_releases_noise_while_it_waits_and_uses_it_once(
+    monkeypatch,
+):
+    # `waiting` (called before the active party blocks on a result) draws the flooding noise of
+    # a reveal the size of the last one; that reveal takes it, and it is never used again
+    import crypto.ckks as ckks
+
+    parties, agg, active = _roles()
+    rng = np.random.default_rng(3)
+    xs = {n: rng.normal(size=(300,)) for n in parties}
+    active.waiting()  # nothing revealed yet: no size to draw for
+    assert active._normals is None
+    first = _sum(parties, agg, active, xs, 0)
+    drawn: list[np.ndarray] = []
+    real = ckks.csprng_normal
+
+    def recording(shape):
+        drawn.append(real(shape))
+        return drawn[-1]
+
+    monkeypatch.setattr(ckks, "csprng_normal", recording)
+    active.waiting()
+    assert len(drawn) == 1 and drawn[0].shape == (300,) and active._normals is drawn[0]
+    active.waiting()  # already drawn: not drawn twice
+    assert len(drawn) == 1
+    second = _sum(parties, agg, active, xs, 1)
+    assert active._normals is None and len(drawn) == 1  # the reveal used the one drawn ahead
+    std = active.s.ckks_release.flood_std(active.key_holder.params, terms=2)
+    grid = 2.0**-12
+    exact = xs["a"] + xs["b"]
+    # the release is exactly the sum plus std * those normals, rounded (the CKKS error aside)
+    assert np.max(np.abs(second - (exact + std * drawn[0]))) < 1e-3 + grid
+    assert np.max(np.abs(first - exact)) < 2e-3 and not np.array_equal(first, second)
+    # a reveal of another size draws its own noise; the one made ahead goes unused, dropped
+    active.waiting()
+    other = {n: rng.normal(size=(7,)) for n in parties}
+    np.testing.assert_allclose(
+        _sum(parties, agg, active, other, 2), other["a"] + other["b"], atol=2e-3
+    )
+    assert len(drawn) == 3 and active._normals is None
