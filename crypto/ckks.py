@@ -886,7 +886,7 @@ class _CkksCodec:
         (made there directly when the chain has no special prime: see :class:`_SealSetup`),
         in this encoding's form (coefficient form for the coefficient encoding). In the
         coefficient encoding without a special prime it is made by :class:`_ZeroMaker` (the
-        same distribution as SEAL's, a quarter of the time) as (2, 1, degree) coefficients,
+        same distribution as SEAL's, about half the time) as (2, 1, degree) coefficients,
         which :meth:`encrypt_values` and :meth:`dump` take as they take a ciphertext."""
         maker = self._zero_maker()
         if maker is not None:
@@ -1303,8 +1303,8 @@ class _ZeroMaker:
     coefficients are drawn in bulk, ``u`` is transformed forward once (as both polynomials of a
     scratch ciphertext: SEAL transforms ciphertexts only, and refuses transparent ones),
     multiplied by the public key (``Evaluator.multiply`` of the two in NTT form, scale 1: its
-    first and last polynomials are ``pk0 * u`` and ``pk1 * u``) and transformed back, in half
-    the time (0.32 against 0.70 ms at degree 4096, SEAL's zero brought out of NTT form). The
+    first and last polynomials are ``pk0 * u`` and ``pk1 * u``) and transformed back, in about
+    half the time (0.37 against 0.68 ms at degree 4096, SEAL's zero brought out of NTT form). The
     zero is returned as (2, 1, degree) coefficients, the coefficient encoding's form."""
 
     def __init__(
@@ -1333,7 +1333,7 @@ class _ZeroMaker:
         """A fresh encryption of zero, (2, 1, degree) coefficients; ``blank`` is a scratch
         ciphertext of the context in coefficient form (used up)."""
         n, q = self._degree, self._q
-        words = random_uint64(2 * n + _TERNARY_WORDS(n))
+        words = random_uint64(2 * n + _ternary_words(n))
         u = ternary_residues(words[2 * n :].view(np.uint8), n, q)
         view = self._access.view(blank)  # (2, 1, degree)
         view[0, 0] = u
@@ -1350,9 +1350,10 @@ class _ZeroMaker:
         return out
 
 
-def _TERNARY_WORDS(n: int) -> int:
+def _ternary_words(n: int) -> int:
     """Words of random bytes drawn for ``n`` ternary coefficients: one byte each, a byte of
-    255 rejected (1 in 256), and 1024 bytes to spare (more rejections than that: 2^-800)."""
+    255 rejected (1 in 256), and 1024 bytes to spare (more rejections than that at degree
+    4096: below 2^-4000)."""
     return (n + 1024 + 7) // 8
 
 

@@ -183,7 +183,7 @@ def test_zeros_are_made_here_with_the_noise_of_seals_own(keys) -> None:
 def test_a_zero_with_u_one_is_the_public_key_plus_the_errors(keys, monkeypatch) -> None:
     # exact ring arithmetic: bytes that make u = 1 give pk + e, u = -1 give e - pk (u = 0 would
     # be a transparent ciphertext, which SEAL refuses to transform; 3^-4096 at random)
-    from crypto.ckks import _TERNARY_WORDS
+    from crypto.ckks import _ternary_words
 
     _, public = keys
     codec = public._codec
@@ -198,7 +198,7 @@ def test_a_zero_with_u_one_is_the_public_key_plus_the_errors(keys, monkeypatch) 
     codec.evaluator.transform_from_ntt_inplace(pk)
     key = codec._access.view(pk)[:, 0, :].astype(object)
     for byte, expected in ((2, (key + expected_errors) % q), (0, (q - key + expected_errors) % q)):
-        ternary = np.full(8 * _TERNARY_WORDS(n), 1, dtype=np.uint8)  # b mod 3 - 1 = 0
+        ternary = np.full(8 * _ternary_words(n), 1, dtype=np.uint8)  # b mod 3 - 1 = 0
         ternary[0] = byte  # u = +-1, the constant polynomial
         ternary = ternary.view(np.uint64)
         _words_from(monkeypatch, lambda k, t=ternary: np.concatenate([errors, t])[:k])
