@@ -943,12 +943,17 @@ class _CkksCodec:
     def _carrier(self) -> Any:
         """An NTT-form ciphertext of this context whose first polynomial is zero."""
         if self._carrier_ct is None:
-            assert self._access is not None and self._template is not None
-            ct = sealapi.Ciphertext(self.seal)
-            self.evaluator.negate(self._template, ct)
-            self._access.view(ct)[0] = 0
-            self._carrier_ct = ct
+            self._carrier_ct = self._ntt_blank()
+            self._access.view(self._carrier_ct)[0] = 0
         return self._carrier_ct
+
+    def _ntt_blank(self) -> Any:
+        """A SEAL ciphertext with this context's metadata in NTT form (a copy of the
+        template's), its coefficients to be written."""
+        assert self._template is not None
+        ct = sealapi.Ciphertext(self.seal)
+        self.evaluator.negate(self._template, ct)
+        return ct
 
     def _zero_maker(self) -> _ZeroMaker | None:
         """The maker of zeros of this context (:class:`_ZeroMaker`) where it applies: the
@@ -964,15 +969,7 @@ class _CkksCodec:
                 and self._raw_access() is not None
             ):
                 try:
-                    self._zeros_here = _ZeroMaker(
-                        public_key=public_key,
-                        ntt_template=self._template,
-                        seal=self.seal,
-                        evaluator=self.evaluator,
-                        access=self._access,
-                        q=self._moduli[0],
-                        degree=self._params.poly_modulus_degree,
-                    )
+                    self._zeros_here = _ZeroMaker(self, public_key)
                 except RuntimeError:  # the key is not at the data level's layout
                     self._zeros_here = False
         return self._zeros_here or None
@@ -1031,14 +1028,12 @@ class _CkksCodec:
     def _blank(self) -> Any:
         """A SEAL ciphertext with this context's metadata, in this encoding's form, its
         coefficients to be written."""
-        ct = sealapi.Ciphertext(self.seal)
         if self.encoding == ENCODING_SLOTS:
-            self.evaluator.negate(self._template, ct)
-            return ct
+            return self._ntt_blank()
         if self._template_coefficients is None:
-            self._template_coefficients = sealapi.Ciphertext(self.seal)
-            self.evaluator.negate(self._template, self._template_coefficients)
+            self._template_coefficients = self._ntt_blank()
             self.evaluator.transform_from_ntt_inplace(self._template_coefficients)
+        ct = sealapi.Ciphertext(self.seal)
         self.evaluator.negate(self._template_coefficients, ct)
         return ct
 
@@ -1307,44 +1302,31 @@ class _ZeroMaker:
     half the time (0.37 against 0.68 ms at degree 4096, SEAL's zero brought out of NTT form). The
     zero is returned as (2, 1, degree) coefficients, the coefficient encoding's form."""
 
-    def __init__(
-        self,
-        *,
-        public_key: Any,
-        ntt_template: Any,
-        seal: Any,
-        evaluator: Any,
-        access: Any,
-        q: int,
-        degree: int,
-    ) -> None:
-        self._seal = seal
-        self._evaluator = evaluator
-        self._access = access
-        self._q = q
-        self._degree = degree
-        pk = sealapi.Ciphertext(seal)  # a two-polynomial NTT-form ciphertext holding the key
-        evaluator.negate(ntt_template, pk)
-        access.view(pk)[...] = access.view(public_key.data())
+    def __init__(self, codec: _CkksCodec, public_key: Any) -> None:
+        self._codec = codec
+        self._q = codec._moduli[0]
+        self._degree = codec.params.poly_modulus_degree
+        pk = codec._ntt_blank()  # the key as a two-polynomial NTT-form ciphertext of scale 1
+        codec._access.view(pk)[...] = codec._access.view(public_key.data())
         pk.scale = 1.0
         self._pk = pk
 
     def make(self, blank: Any) -> np.ndarray:
         """A fresh encryption of zero, (2, 1, degree) coefficients; ``blank`` is a scratch
         ciphertext of the context in coefficient form (used up)."""
-        n, q = self._degree, self._q
+        codec, n, q = self._codec, self._degree, self._q
         words = random_uint64(2 * n + _ternary_words(n))
         u = ternary_residues(words[2 * n :].view(np.uint8), n, q)
-        view = self._access.view(blank)  # (2, 1, degree)
+        view = codec._access.view(blank)  # (2, 1, degree)
         view[0, 0] = u
         view[1, 0] = u
         blank.scale = 1.0
-        self._evaluator.transform_to_ntt_inplace(blank)
-        products = sealapi.Ciphertext(self._seal)
-        self._evaluator.multiply(self._pk, blank, products)  # (pk0 u, (pk0 + pk1) u, pk1 u)
-        made = self._access.view(products)
+        codec.evaluator.transform_to_ntt_inplace(blank)
+        products = sealapi.Ciphertext(codec.seal)
+        codec.evaluator.multiply(self._pk, blank, products)  # (pk0 u, (pk0 + pk1) u, pk1 u)
+        made = codec._access.view(products)
         view[0], view[1] = made[0], made[2]
-        self._evaluator.transform_from_ntt_inplace(blank)
+        codec.evaluator.transform_from_ntt_inplace(blank)
         out = np.array(view, dtype=np.uint64)
         add_cbd_errors(out[:, 0, :], words[: 2 * n].reshape(2, n), q)
         return out

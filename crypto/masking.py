@@ -656,11 +656,10 @@ def _mask_range(
     if start >= stop:
         return -1
     chunk_words = min(MASK_CHUNK_WORDS, stop - start)
-    scratch_words = chunk_words if net is None or in_place else 0
-    # the keystream scratch has ECB's slack past its last whole block
-    scratch = np.empty(scratch_words + (scratch_words & 1) + SLACK_WORDS, dtype=np.uint64)
+    scratch, blocks = _keystream_buffers(
+        chunk_words if net is None or in_place else 0, chunk_words if net is None else 0
+    )
     scratch_bytes = scratch.view(np.uint8)
-    blocks = np.empty(16 * ((chunk_words + 1) // 2) if net is None else 0, dtype=np.uint8)
     fills = [
         (ciphers.encryptor(key), np.add if add else np.subtract)
         for key, add in (streams if net is None else ())
@@ -697,6 +696,13 @@ def _mask_range(
     return -1
 
 
+def _keystream_buffers(words: int, block_words: int) -> tuple[np.ndarray, np.ndarray]:
+    """A uint64 scratch for ``words`` keystream words, with ECB's slack past its last whole
+    block, and a uint8 buffer for the counter blocks of ``block_words`` words."""
+    scratch = np.empty(words + (words & 1) + SLACK_WORDS, dtype=np.uint64)
+    return scratch, np.empty(16 * ((block_words + 1) // 2), dtype=np.uint8)
+
+
 def _net_mask(
     net: np.ndarray,
     streams: Sequence[tuple[bytes, bool]],
@@ -715,9 +721,8 @@ def _net_mask(
     # -shift - sum, in one pass: np.subtract(minus_shift, chunk)
     minus_shift = np.uint64((-int(shift)) % (1 << 64))
     chunk_words = min(MASK_CHUNK_WORDS, total)
-    keystream = np.empty(chunk_words + (chunk_words & 1) + SLACK_WORDS, dtype=np.uint64)
+    keystream, blocks = _keystream_buffers(chunk_words, chunk_words)
     keystream_bytes = keystream.view(np.uint8)
-    blocks = np.empty(16 * ((chunk_words + 1) // 2), dtype=np.uint8)
     for start in range(0, total, MASK_CHUNK_WORDS):
         stop = min(start + MASK_CHUNK_WORDS, total)
         words = stop - start
