@@ -27,6 +27,7 @@ _RING_SIGNED_MAX = (1 << 63) - 1
 # x + 1.5 * 2**(52 - f) stays in one binade (spacing 2**-f) while |x * 2**f| <= 2**51.
 _MAGIC_LIMIT = 1 << 51
 _ON_OVERFLOW_MODES = ("raise", "clip")
+_REAL_KINDS = frozenset("fiu")  # NumPy's floating and integer dtypes (not bool, not complex)
 
 
 class FixedPointOverflow(ValueError):
@@ -128,7 +129,7 @@ class FixedPointEncoder:
     def check_dtype(x: np.ndarray) -> np.ndarray:
         """``x`` as an array if its dtype is real (floating or integer); TypeError otherwise."""
         x = np.asarray(x)
-        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+        if x.dtype.kind not in _REAL_KINDS:
             raise TypeError(f"can only encode real numbers, got dtype {x.dtype}")
         return x
 

@@ -493,6 +493,13 @@ class MaskedSumParty:
     ) -> int:
         """Mask ``out`` in one or several ranges; -1, or the index of a refused tensor."""
         total = offsets[-1]
+        if in_place and len(inputs) == 1 and total <= MASK_CHUNK_WORDS:
+            # the common call (one tensor, its masks made ahead, in cache): encode and add
+            encoded = np.empty(total, dtype=np.uint64)
+            if not self.encoder.encode_shifted(inputs[0], encoded):
+                return 0
+            np.add(out, encoded, out=out)
+            return -1
         parts = min(self.threads, total // MASK_CHUNK_WORDS)
         # Range edges on chunk multiples: even word offsets, whole chunks per thread.
         edges = [
@@ -621,6 +628,8 @@ def _prepared_masks(
     if prepared is None:
         return None
     net, future = prepared
+    if future is _DONE and net.size == total:  # made inline: done, never cancelled
+        return net
     if net.size != total:
         future.cancel()
         return None

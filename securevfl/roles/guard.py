@@ -352,16 +352,20 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     that share a digest only make the party refuse more, never less.
 
     `views` (a dict the caller keeps between calls; a party digests after every update) holds
-    each small CPU tensor's byte view, which aliases its storage and so follows in-place
-    updates; an entry is used only while the tensor is the same object at the same address,
-    shape, dtype and layout (anything else is read again), so the digest is the same as
+    what the next call may reuse, so that a digest costs the hashing and little else:
+    `_DigestPlan` (the modules' named tensors, in the order `named_parameters` then
+    `named_buffers` give them, used only while every module, submodule, parameter and buffer
+    is the one it was) and each small CPU tensor's byte view, which aliases its storage and so
+    follows in-place updates (used only while the tensor is the same object at the same
+    address, shape, dtype and layout; anything else is read again). The digest is the same as
     without it."""
     from securevfl.lazy import torch
 
+    module_type = _module_type()
     found: dict[int, Any] = {}
 
     def visit(value: Any, depth: int) -> None:
-        if isinstance(value, torch.nn.Module):
+        if isinstance(value, module_type):
             found.setdefault(id(value), value)
         elif depth < 2 and isinstance(value, list | tuple):
             for item in value:
@@ -374,39 +378,95 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
         visit(value, 0)
     if not found:
         return None
+    plan = views.get(_PLAN) if views is not None else None
+    if plan is None or not plan.holds(found):
+        plan = _DigestPlan(found)
     h = hashlib.blake2b(digest_size=16)
-    seen: set[int] = set()
     stats = []
     kept: dict = {}
-    for module in found.values():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            cached = views.get((name, id(t))) if views is not None else None
-            if cached is not None and cached[0] is t and cached[1] == _layout(t):
-                h.update(cached[2])
-                h.update(cached[3])
-                kept[(name, id(t))] = cached
-                continue
-            d = t.detach()
-            head = f"{name}|{tuple(d.shape)}|{d.dtype}|".encode()
-            h.update(head)
-            ints = _INT_VIEW.get(d.element_size())
-            if (d.device.type == "cpu" and d.numel() <= _RAW_DIGEST_VALUES) or ints is None:
-                flat = d.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-                h.update(flat)
-                if views is not None and d.device.type == "cpu" and d.is_contiguous():
-                    kept[(name, id(t))] = (t, _layout(t), head, flat)  # `flat` aliases t
-            else:  # its bytes as integers: an exact sum in any order
-                v = d.contiguous().reshape(-1).view(getattr(torch, ints))
-                stats.append(v.sum(dtype=torch.int64))
+    for name, t in plan.tensors:
+        key = (name, id(t))
+        cached = views.get(key) if views is not None else None
+        if cached is not None and cached[0] is t and cached[1] == _layout(t):
+            h.update(cached[2])
+            h.update(cached[3])
+            kept[key] = cached
+            continue
+        d = t.detach()
+        head = f"{name}|{tuple(d.shape)}|{d.dtype}|".encode()
+        h.update(head)
+        ints = _INT_VIEW.get(d.element_size())
+        if (d.device.type == "cpu" and d.numel() <= _RAW_DIGEST_VALUES) or ints is None:
+            flat = d.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            h.update(flat)
+            if views is not None and d.device.type == "cpu" and d.is_contiguous():
+                kept[key] = (t, _layout(t), head, flat)  # `flat` aliases t
+        else:  # its bytes as integers: an exact sum in any order
+            v = d.contiguous().reshape(-1).view(getattr(torch, ints))
+            stats.append(v.sum(dtype=torch.int64))
     if stats:
         h.update(torch.stack(stats).cpu().numpy().tobytes())
     if views is not None:
         views.clear()
         views.update(kept)  # only the tensors digested now: none kept alive past its module
+        views[_PLAN] = plan
     return h.digest()
+
+
+_PLAN = "plan"  # the `views` entry of the `_DigestPlan`
+_MODULE_TYPE: list = []  # torch.nn.Module, once torch is imported (`_module_type`)
+_ABSENT = object()
+
+
+def _module_type() -> type:
+    if not _MODULE_TYPE:
+        from securevfl.lazy import torch
+
+        _MODULE_TYPE.append(torch.nn.Module)
+    return _MODULE_TYPE[0]
+
+
+class _DigestPlan:
+    """What `model_digest` hashes for a set of modules: their named tensors, deduplicated, in
+    the order `named_parameters` then `named_buffers` give them, module after module; and a
+    snapshot of every submodule's `_modules`, `_parameters` and `_buffers` (the dicts and their
+    entries themselves, not copies), which `holds` compares by identity: a module, parameter
+    or buffer added, removed or replaced, by attribute, by writing those dicts directly or by
+    replacing them, makes the party read the modules again. What changes inside a kept tensor
+    (its values; its storage, through `.data`) is the per-tensor check's business."""
+
+    def __init__(self, found: Mapping[int, Any]) -> None:
+        self.modules = tuple(found.values())
+        self.ids = tuple(found)
+        tensors: list[tuple[str, Any]] = []
+        seen: set[int] = set()
+        for module in self.modules:
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    tensors.append((name, t))
+        self.tensors = tuple(tensors)
+        snapshot = []
+        for module in self.modules:
+            for sub in module.modules():
+                fields = vars(sub)
+                for attr in ("_modules", "_parameters", "_buffers"):
+                    entries = fields[attr]
+                    snapshot.append((fields, attr, entries, tuple(entries.items())))
+        self.snapshot = tuple(snapshot)
+
+    def holds(self, found: Mapping[int, Any]) -> bool:
+        """Whether `found` (the method's modules now) has the modules, submodules and tensors
+        this plan was made of."""
+        if tuple(found) != self.ids:
+            return False
+        for fields, attr, entries, items in self.snapshot:
+            if fields.get(attr) is not entries or len(entries) != len(items):
+                return False
+            for key, value in items:
+                if entries.get(key, _ABSENT) is not value:
+                    return False
+        return True
 
 
 def _layout(t: Any) -> tuple:

@@ -306,7 +306,7 @@ class PartyRound:
         self.overlap = overlaps_sums(cfg)
         self._widths: dict[tuple[str, str], int] = {}  # values per row of each op's sums
         self._data_identity: bytes | None = None  # of this session's table (`_model_digest`)
-        self._digest_views: dict = {}  # the weights' byte views `model_digest` reuses
+        self._digest_views: dict = {}  # what `model_digest` reuses: its plan, byte views
         self.device_time: Any = None  # a `DeviceClock` where the models run on a GPU
 
     def answer(self, env: Envelope) -> Envelope:

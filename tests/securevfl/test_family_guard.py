@@ -222,3 +222,45 @@ def test_a_digest_from_kept_views_is_the_digest_read_afresh():
     assert model_digest(method, views=views) == first
     method.extra = [torch.nn.Linear(300, 300)]  # 90,300 values: summed, not viewed
     assert model_digest(method, views=views) == model_digest(method) != first
+
+
+def test_a_digest_from_a_kept_plan_follows_every_change_of_the_modules():
+    """The kept plan (`_DigestPlan`: the modules' named tensors) must be dropped whenever the
+    modules change shape: a submodule replaced, a parameter added, deleted or written into the
+    module's dicts directly, a buffer registered, a dict replaced. Each time the digest from
+    the kept plan must be the digest read afresh, and differ from the one before."""
+    import torch
+
+    from securevfl.methods.blocks.nets import mlp
+    from securevfl.roles.guard import model_digest
+
+    class Method:
+        pass
+
+    method = Method()
+    method.encoder = mlp(6, (8,), 4, seed=1)
+    method.heads = [torch.nn.Linear(4, 2)]
+    views: dict = {}
+    digests = [model_digest(method, views=views)]
+
+    def changed(change, *, back_to: int | None = None) -> None:
+        with torch.no_grad():
+            change()
+        got = model_digest(method, views=views)
+        assert got == model_digest(method)
+        if back_to is None:
+            assert got not in digests
+        else:  # the weights of an earlier step again: its version
+            assert got == digests[back_to]
+        digests.append(got)
+
+    changed(lambda: method.encoder.__setitem__(0, torch.nn.Linear(6, 8)))
+    changed(lambda: setattr(method.encoder[2], "scale", torch.nn.Parameter(torch.ones(1))))
+    changed(lambda: delattr(method.encoder[2], "scale"), back_to=1)
+    full = torch.nn.Parameter(torch.full((4,), 3.0))
+    changed(lambda: method.encoder[2]._parameters.__setitem__("bias", full))
+    changed(lambda: method.encoder[0].register_buffer("count", torch.zeros(2)))
+    changed(lambda: setattr(method.encoder[0], "_buffers", {}), back_to=4)  # count gone
+    changed(lambda: method.heads.__setitem__(0, torch.nn.Linear(4, 2, bias=False)))
+    changed(lambda: method.heads[0].weight.mul_(2.0))  # in place: same plan, new values
+    assert model_digest(method, views=views) == digests[-1]  # nothing changed: the same
