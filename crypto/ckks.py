@@ -802,6 +802,11 @@ class _CkksCodec:
         moduli = self.seal.first_context_data().parms().coeff_modulus()
         self._moduli = [int(m.value()) for m in moduli]
         self._prime_bytes = [(q.bit_length() + 7) // 8 for q in self._moduli]
+        # a coefficient's low bytes, as one item of its 8-byte word (`dump_coefficients`)
+        self._low_bytes = [
+            np.dtype({"names": ["low"], "formats": [f"V{w}"], "offsets": [0], "itemsize": 8})
+            for w in self._prime_bytes
+        ]
         self._moduli_column = np.array(self._moduli, dtype=np.uint64).reshape(1, -1, 1)
         self._raw_body_bytes = (
             len(_RAW_MAGIC) + 32 + 2 * params.poly_modulus_degree * sum(self._prime_bytes)
@@ -1008,10 +1013,11 @@ class _CkksCodec:
         """The raw chunk of a ciphertext given as its (2, primes, degree) coefficients, in this
         codec's encoding (its form: checked on load)."""
         parts = [_COUNT.pack(count), self._raw_magic, self._parms_id_bytes]
-        n = self._params.poly_modulus_degree
-        for i, width in enumerate(self._prime_bytes):
-            words = np.ascontiguousarray(coeffs[:, i, :])
-            parts.append(words.view(np.uint8).reshape(2, n, 8)[:, :, :width].tobytes())
+        for i, low in enumerate(self._low_bytes):
+            # each little-endian word's low bytes, copied as one item (a third of the time of
+            # copying them byte by byte from a uint8 view)
+            words = np.ascontiguousarray(coeffs[:, i, :], dtype="<u8")
+            parts.append(words.view(low)["low"].tobytes())
         return b"".join(parts)
 
     def _load_raw(self, body: memoryview, *, what: str) -> Any:
@@ -1775,7 +1781,7 @@ class CkksPublic:
         for _ in range(count):
             self._zeros.append(self._codec.zero(self._encryptor))
 
-    def encrypt(self, x: Any) -> PackedCiphertexts:
+    def encrypt(self, x: Any, *, max_abs: float | None = None) -> PackedCiphertexts:
         """Encrypt an array: flattened (C order) into chunks of ``slots`` values each, two
         values per complex slot.
 
@@ -1785,18 +1791,21 @@ class CkksPublic:
         plaintext). Refuses with
         :class:`CkksError` non-numeric or non-finite input and values beyond
         ``2**params.magnitude_bits`` (too large for a sum to decrypt). An empty array gives
-        zero chunks.
+        zero chunks. ``max_abs``: ``max |x|`` of exactly this input where the caller has it
+        already (NaN where it holds a NaN), which saves a pass over the values.
         """
         try:
             flat = np.asarray(x, dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as exc:
             raise CkksError(f"cannot encrypt this input as float64 values: {exc}.") from exc
-        if not np.all(np.isfinite(flat)):
+        if max_abs is None:
+            max_abs = float(np.max(np.abs(flat))) if flat.size else 0.0
+        if not math.isfinite(max_abs):  # NaN and infinities carry into the maximum
             raise CkksError("cannot encrypt NaN or infinite values; check the contribution.")
         limit = 2.0**self.params.magnitude_bits
-        if flat.size and float(np.max(np.abs(flat))) >= limit:
+        if max_abs >= limit:
             raise CkksError(
-                f"values are too large: max |x| {float(np.max(np.abs(flat))):g} reaches "
+                f"values are too large: max |x| {max_abs:g} reaches "
                 f"2^{self.params.magnitude_bits}, beyond which a sum no longer decrypts with "
                 f"these parameters; choose parameters for a larger magnitude (choose_params)."
             )

@@ -495,23 +495,24 @@ class CkksParty(PartySumStage):
 
     def protect(self, x, *, round, group, key):
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
-        self._check_magnitude(flat, group=group, key=key)
+        peak = self._check_magnitude(flat, group=group, key=key)
         self._join()  # one thread in the context at a time
-        packed = self.public.encrypt(flat)
+        packed = self.public.encrypt(flat, max_abs=peak)
         self._used += len(packed.chunks)
         if self.zeros == "thread":
             self._prepare(flat.size)
         return _chunk_arrays(key, packed.chunks)
 
-    def _check_magnitude(self, flat: np.ndarray, *, group: Sequence[str], key: str) -> None:
+    def _check_magnitude(self, flat: np.ndarray, *, group: Sequence[str], key: str) -> float:
         """Refuse a contribution whose values a sum of ``len(group)`` such contributions could
         carry past what the parameters decrypt (``2**magnitude_bits``): CKKS would not fail
         there, it would decrypt to wrong numbers. Values up to the configured magnitude
         ([secure] ckks.magnitude, or the method's) always pass: the parameters were sized for
-        every party's and the active party's value at that bound."""
+        every party's and the active party's value at that bound. Returns ``max |flat|``
+        (NaN where a value is NaN: the encryption refuses it)."""
         limit = 2.0**self.public.params.magnitude_bits / max(len(group), 1)
         if flat.size == 0:
-            return
+            return 0.0
         peak = float(np.max(np.abs(flat)))
         if peak > limit:  # NaN and infinities are refused by the encryption itself
             # a failure of this party (reported to the aggregator, which stops every role)
@@ -522,6 +523,7 @@ class CkksParty(PartySumStage):
                 "from [secure] ckks.magnitude, or the method's declared magnitude); set a "
                 "larger [secure] ckks.magnitude and resume from the last checkpoint"
             )
+        return peak
 
     def _start_source(self) -> None:
         import weakref
