@@ -9,13 +9,17 @@ evaluation runs after training on both sides, untimed). Arms, centralised runs a
 are interleaved in every repeat so that a change in the machine's load hits them alike.
 
     python bench/fed_central.py [--rows 10000 | --data credit_default.csv] [--parties 2,4,8]
-        [--epochs 3] [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--out FILE.json]
+        [--epochs 3] [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--reference NAME]
+        [--out FILE.json]
 
 An arm runs the roles with PYTHONPATH=TREE (a copy of the code, e.g. `git archive HEAD`, to
 compare an older version) and the config overrides KEY=VALUE (e.g.
 network.aggregator_in_active=true, run.aggregation=mask) or, for an upper-case KEY without a
 dot, the roles' environment variable KEY (e.g. SECUREVFL_OVERLAP_SUMS=1). Default arms:
 `plain` (this tree) and `plain+aia` (this tree, the aggregator in the active party's process).
+Every other arm is also compared with the reference arm (`--reference`, default the first)
+repeat by repeat: `NAME_paired` in the table, the per-repeat ratios, their median and a 95%
+bootstrap interval of it (`paired_ratios`).
 """
 
 from __future__ import annotations
@@ -74,15 +78,60 @@ def with_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, 
     return out
 
 
+def paired_ratios(
+    runs: list[dict[str, Any]], *, arm: str, reference: str, parties: int, draws: int = 10000
+) -> dict[str, Any] | None:
+    """`arm`'s epoch against `reference`'s, repeat by repeat (each repeat runs both back to back,
+    so a change of the machine's speed between repeats cancels): the per-repeat ratios of their
+    median epochs, the median ratio, and a 95% interval of that median from `draws` bootstrap
+    resamples of the repeats (seeded: the same runs give the same interval). None when fewer
+    than two repeats have both arms."""
+    import numpy as np
+
+    def median_epoch(name: str, rep: int) -> float | None:
+        found = [
+            r["median_epoch_seconds"]
+            for r in runs
+            if r["arm"] == name and r["parties"] == parties and r["repeat"] == rep and r["ok"]
+        ]
+        return found[0] if found else None
+
+    ratios = []
+    for rep in sorted({r["repeat"] for r in runs}):
+        a, b = median_epoch(arm, rep), median_epoch(reference, rep)
+        if a is not None and b:
+            ratios.append(a / b)
+    if len(ratios) < 2:
+        return None
+    values = np.asarray(ratios)
+    picks = np.random.default_rng(0).integers(0, len(values), size=(draws, len(values)))
+    medians = np.median(values[picks], axis=1)
+    return {
+        "reference": reference,
+        "ratios": [round(float(x), 4) for x in values],
+        "median": float(np.median(values)),
+        "ci95": [float(np.quantile(medians, 0.025)), float(np.quantile(medians, 0.975))],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     F.size_arguments(ap, parties="2,4,8", epochs=3, repeats=2, work="/tmp/securevfl-fed-central")
     ap.add_argument("--arm", action="append", default=[])
+    ap.add_argument(
+        "--reference",
+        default=None,
+        help="the arm the others are compared with repeat by repeat (default: the first)",
+    )
     args = ap.parse_args(argv)
     arms = [
         parse_arm(a)
         for a in (args.arm or ["plain=.", "plain+aia=.:network.aggregator_in_active=true"])
     ]
+    names = [name for name, _, _ in arms]
+    reference = args.reference or names[0]
+    if reference not in names:
+        ap.error(f"--reference {reference!r} is not one of the arms {names}")
     ks = [int(k) for k in args.parties.split(",")]
     started = time.time()
     runs: list[dict[str, Any]] = []
@@ -152,6 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_epoch_s"] = statistics.median(fed)
                 row[f"{name}_ratio"] = statistics.median(fed) / row["centralised_epoch_s"]
                 row[f"{name}_ratio_to_cpu"] = statistics.median(fed) / row["centralised_cpu_s"]
+            if name != reference:
+                paired = paired_ratios(runs, arm=name, reference=reference, parties=k)
+                if paired is not None:
+                    row[f"{name}_paired"] = paired
+                    print(
+                        f"k={k} {name}/{reference}: median {paired['median']:.3f}, 95% interval "
+                        f"{paired['ci95'][0]:.3f}-{paired['ci95'][1]:.3f} over "
+                        f"{len(paired['ratios'])} repeats",
+                        flush=True,
+                    )
         table.append(row)
     result = F.result_of(
         "fed_central.py",

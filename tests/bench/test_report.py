@@ -554,3 +554,28 @@ def test_every_benchmark_result_names_the_cpu_it_ran_on(monkeypatch, tmp_path) -
     assert F.cpu_model() == "Test CPU 9000"
     cpuinfo.write_text("processor\t: 0\n")
     assert F.cpu_model() is None
+
+
+def test_paired_ratios_compare_arms_repeat_by_repeat_with_a_bootstrap_interval() -> None:
+    """`fed_central.paired_ratios`: the ratio of each repeat's two median epochs (a repeat's
+    slow machine hits both arms), their median, and a seeded 95% bootstrap interval of the
+    median that contains it; a failed run or a single repeat gives no comparison."""
+    import fed_central as FC
+
+    def run(arm: str, rep: int, epoch: float, ok: bool = True) -> dict:
+        return {"arm": arm, "parties": 4, "repeat": rep, "ok": ok, "median_epoch_seconds": epoch}
+
+    plain = [0.50, 0.60, 0.40, 0.55, 0.52]
+    mask = [0.55, 0.69, 0.44, 0.66, 0.572]  # 1.10, 1.15, 1.10, 1.20, 1.10
+    runs = [run("plain", i, p) for i, p in enumerate(plain)]
+    runs += [run("mask", i, m) for i, m in enumerate(mask)]
+    runs.append(run("mask", 5, 9.0))  # no plain run in repeat 5: not paired
+    got = FC.paired_ratios(runs, arm="mask", reference="plain", parties=4)
+    assert got["ratios"] == [1.1, 1.15, 1.1, 1.2, 1.1]
+    assert got["median"] == pytest.approx(1.1)
+    lo, hi = got["ci95"]
+    assert 1.1 - 1e-9 <= lo <= got["median"] <= hi <= 1.2 + 1e-9 and hi > lo
+    assert got == FC.paired_ratios(runs, arm="mask", reference="plain", parties=4)  # seeded
+    failed = [r if r["repeat"] else {**r, "ok": False} for r in runs]
+    assert len(FC.paired_ratios(failed, arm="mask", reference="plain", parties=4)["ratios"]) == 4
+    assert FC.paired_ratios(runs[:1] + runs[5:6], arm="mask", reference="plain", parties=4) is None
