@@ -423,6 +423,32 @@ class MaskedSumParty:
         """
         return self.mask_many({tensor: x}, round=round, group=group, out=out)[tensor]
 
+    def mask_prepared(
+        self, x: np.ndarray, *, round: int, group: Sequence[str], tensor: str
+    ) -> np.ndarray | None:
+        """:meth:`mask` for the call :meth:`prepare` made the masks of inline (one tensor, the
+        same round, group and size): its checks, encoding and addition only, the same bits.
+        None (nothing used up, nothing changed) when no such masks wait or the encoder refuses
+        ``x``: :meth:`mask` then does the call, or says why not."""
+        x = self.encoder.check_dtype(x)
+        if type(round) is not int or not isinstance(group, tuple | list):
+            return None
+        resolved = self._resolved.get((round, tuple(group), ((tensor, x.size),)))
+        if resolved is None:
+            return None
+        domain, _, digest, _ = resolved
+        prepared = self._prepared.get(digest)
+        if prepared is None or prepared[1] is not _DONE or prepared[0].size != x.size:
+            return None
+        self._check_unused(domain, digest)
+        encoded = np.empty(x.size, dtype=np.uint64)
+        if not self.encoder.encode_shifted(x.reshape(-1), encoded):
+            return None
+        net = self._prepared.pop(digest)[0]
+        np.add(net, encoded, out=net)
+        self._mark_used(domain, digest)
+        return net.reshape(x.shape)
+
     def mask_many(
         self,
         xs: Mapping[str, np.ndarray],

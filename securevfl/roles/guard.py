@@ -352,13 +352,12 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     that share a digest only make the party refuse more, never less.
 
     `views` (a dict the caller keeps between calls; a party digests after every update) holds
-    what the next call may reuse, so that a digest costs the hashing and little else:
+    what the next call may reuse, so that a digest costs the hashing and little else: the
     `_DigestPlan` (the modules' named tensors, in the order `named_parameters` then
     `named_buffers` give them, used only while every module, submodule, parameter and buffer
-    is the one it was) and each small CPU tensor's byte view, which aliases its storage and so
-    follows in-place updates (used only while the tensor is the same object at the same
-    address, shape, dtype and layout; anything else is read again). The digest is the same as
-    without it."""
+    is the one it was), with each small CPU tensor's byte view, which aliases its storage and
+    so follows in-place updates (used only while the tensor is at the same address, shape,
+    dtype and layout; anything else is read again). The digest is the same as without it."""
     from securevfl.lazy import torch
 
     module_type = _module_type()
@@ -381,17 +380,18 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     plan = views.get(_PLAN) if views is not None else None
     if plan is None or not plan.holds(found):
         plan = _DigestPlan(found)
+        if views is not None:
+            views.clear()
+            views[_PLAN] = plan  # the plan keeps the byte views: none outlives its module
     h = hashlib.blake2b(digest_size=16)
     stats = []
-    kept: dict = {}
-    for name, t in plan.tensors:
-        key = (name, id(t))
-        cached = views.get(key) if views is not None else None
-        if cached is not None and cached[0] is t and cached[1] == _layout(t):
+    for i, (name, t) in enumerate(plan.tensors):
+        cached = plan.views[i]
+        if cached is not None and cached[0] == _layout(t):
+            h.update(cached[1])
             h.update(cached[2])
-            h.update(cached[3])
-            kept[key] = cached
             continue
+        plan.views[i] = None
         d = t.detach()
         head = f"{name}|{tuple(d.shape)}|{d.dtype}|".encode()
         h.update(head)
@@ -400,16 +400,12 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
             flat = d.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             h.update(flat)
             if views is not None and d.device.type == "cpu" and d.is_contiguous():
-                kept[key] = (t, _layout(t), head, flat)  # `flat` aliases t
+                plan.views[i] = (_layout(t), head, flat)  # `flat` aliases t
         else:  # its bytes as integers: an exact sum in any order
             v = d.contiguous().reshape(-1).view(getattr(torch, ints))
             stats.append(v.sum(dtype=torch.int64))
     if stats:
         h.update(torch.stack(stats).cpu().numpy().tobytes())
-    if views is not None:
-        views.clear()
-        views.update(kept)  # only the tensors digested now: none kept alive past its module
-        views[_PLAN] = plan
     return h.digest()
 
 
@@ -446,6 +442,8 @@ class _DigestPlan:
                     seen.add(id(t))
                     tensors.append((name, t))
         self.tensors = tuple(tensors)
+        # per tensor: (its layout, head, byte view) once read, while the layout holds
+        self.views: list[tuple | None] = [None] * len(tensors)
         snapshot = []
         for module in self.modules:
             for sub in module.modules():

@@ -511,3 +511,32 @@ def test_forgotten_preparations_leave_their_domains_usable() -> None:
     got = p.mask(x, round=0, group=group, tensor="h")
     assert got.tobytes() == reference(p, x, round=0, group=group, tensor="h").tobytes()
     p.close()
+
+
+def test_mask_prepared_takes_inline_masks_only_and_gives_the_same_bits() -> None:
+    """`mask_prepared`, a party's common call (one tensor, masks made inline ahead): the bits of
+    `mask` (the reference's), the domain used up after it; None, with nothing used up, where no
+    such masks wait (none made, another size, made on the worker thread) or the encoder refuses
+    the input, so that `mask` does the call or says why not."""
+    p = party("carol")
+    group = ROSTER[:4]
+    x = np.linspace(-3.0, 3.0, 12, dtype=np.float32).reshape(3, 4)
+    assert p.mask_prepared(x, round=1, group=group, tensor="h") is None  # none made
+    p.prepare(round=1, group=group, sizes={"h": 11}, inline=True)
+    assert p.mask_prepared(x, round=1, group=group, tensor="h") is None  # another size
+    p.prepare(round=2, group=group, sizes={"h": 12}, inline=True)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    assert p.mask_prepared(bad, round=2, group=group, tensor="h") is None  # refused: kept
+    got = p.mask_prepared(x, round=2, group=group, tensor="h")
+    assert got.shape == (3, 4) and got.dtype == np.uint64
+    assert got.tobytes() == reference(p, x, round=2, group=group, tensor="h").tobytes()
+    with pytest.raises(ValueError, match="already masked"):
+        p.mask(x, round=2, group=group, tensor="h")
+    p.prepare(round=3, group=group, sizes={"h": 12}).result(timeout=60)  # on the worker
+    assert p.mask_prepared(x, round=3, group=group, tensor="h") is None
+    assert (
+        p.mask(x, round=3, group=group, tensor="h").tobytes()
+        == reference(p, x, round=3, group=group, tensor="h").tobytes()
+    )
+    p.close()
