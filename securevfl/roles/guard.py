@@ -29,6 +29,7 @@ stops cleanly or refuses the call and keeps serving (`on_refusal`); it never rel
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import hmac
 import os
@@ -410,16 +411,16 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
 
 
 _PLAN = "plan"  # the `views` entry of the `_DigestPlan`
-_MODULE_TYPE: list = []  # torch.nn.Module, once torch is imported (`_module_type`)
 _ABSENT = object()
 
 
+@functools.cache
 def _module_type() -> type:
-    if not _MODULE_TYPE:
-        from securevfl.lazy import torch
+    """torch.nn.Module, looked up once (through the lazy import: a digest is the first to need
+    torch in some processes)."""
+    from securevfl.lazy import torch
 
-        _MODULE_TYPE.append(torch.nn.Module)
-    return _MODULE_TYPE[0]
+    return torch.nn.Module
 
 
 class _DigestPlan:

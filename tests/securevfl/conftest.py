@@ -114,10 +114,15 @@ def run_until_epoch(
 ):
     """`securevfl run CONFIG` as a real process, handed over as (process, the roles' pids) once
     the active party's checkpoint of epoch `epoch - 1` is on disk; `group`: in a process group
-    of its own (as a terminal's foreground job). Always reaped."""
+    of its own, with SIGINT handled as by default (as a terminal's foreground job: a suite
+    started as a background job of a shell without job control inherits SIGINT ignored, and
+    so would every process it starts). Always reaped."""
     import json
     import signal
     import time
+
+    def foreground() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
@@ -127,6 +132,7 @@ def run_until_epoch(
         text=True,
         env=env,
         start_new_session=group,
+        preexec_fn=foreground if group else None,
     )
     try:
         until = time.monotonic() + deadline

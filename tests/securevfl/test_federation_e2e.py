@@ -295,10 +295,7 @@ def test_one_ctrl_c_stops_every_role_once_and_resume_finishes(small_federation):
     import time
 
     raw, d = small_federation
-    # 40 epochs of ~0.12 s: the Ctrl-C after the second must find the run going even when a
-    # loaded machine lets this process sleep a few seconds first (at 10 epochs a full suite's
-    # run once finished before the signal came, and ended 0)
-    epochs = 40
+    epochs = 10
     raw["train"].update({"epochs": epochs, "batch_size": 16})
     config = write_toml(raw, d / "config.toml")
     run_dir = d / "run"
@@ -306,8 +303,8 @@ def test_one_ctrl_c_stops_every_role_once_and_resume_finishes(small_federation):
         os.killpg(proc.pid, signal.SIGINT)  # what one Ctrl-C does
         interrupted = time.monotonic()
         _, stderr = proc.communicate(timeout=90)
-    finished = (run_dir / "metrics.json").exists()
-    assert proc.returncode == 130, (f"finished before the signal: {finished}", stderr)
+    finished = (run_dir / "metrics.json").exists()  # the signal was ignored, or came late
+    assert proc.returncode == 130, (f"finished: {finished}", stderr)
     assert time.monotonic() - interrupted < 60
     assert stderr.count("interrupted; continue later with --resume") == 1, stderr
     assert "Traceback" not in stderr, stderr
