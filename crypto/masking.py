@@ -420,16 +420,22 @@ class MaskedSumParty:
         a group too large for the encoder's ring (``max_terms``), inputs the encoder refuses
         (``out`` is then zeroed), and a domain this object already masked under (keystream
         reuse; a restarted party must resend its stored contribution rather than mask again).
+        Masks made ahead for exactly this call are taken by :meth:`mask_prepared`.
         """
+        if out is None:
+            masked = self.mask_prepared(x, round=round, group=group, tensor=tensor)
+            if masked is not None:
+                return masked
         return self.mask_many({tensor: x}, round=round, group=group, out=out)[tensor]
 
     def mask_prepared(
         self, x: np.ndarray, *, round: int, group: Sequence[str], tensor: str
     ) -> np.ndarray | None:
-        """:meth:`mask` for the call :meth:`prepare` made the masks of inline (one tensor, the
-        same round, group and size): its checks, encoding and addition only, the same bits.
-        None (nothing used up, nothing changed) when no such masks wait or the encoder refuses
-        ``x``: :meth:`mask` then does the call, or says why not."""
+        """:meth:`mask` (which tries this first) for a call whose masks :meth:`prepare` made
+        inline (one tensor, the same round, group and size): its checks, encoding and addition
+        only, the same bits. None (nothing used up) when no such masks wait (none, another
+        size, or made on the worker thread) or the encoder refuses ``x``: :meth:`mask_many`
+        then does the call, or says why not."""
         x = self.encoder.check_dtype(x)
         if type(round) is not int or not isinstance(group, tuple | list):
             return None
@@ -519,13 +525,6 @@ class MaskedSumParty:
     ) -> int:
         """Mask ``out`` in one or several ranges; -1, or the index of a refused tensor."""
         total = offsets[-1]
-        if in_place and len(inputs) == 1 and total <= MASK_CHUNK_WORDS:
-            # the common call (one tensor, its masks made ahead, in cache): encode and add
-            encoded = np.empty(total, dtype=np.uint64)
-            if not self.encoder.encode_shifted(inputs[0], encoded):
-                return 0
-            np.add(out, encoded, out=out)
-            return -1
         parts = min(self.threads, total // MASK_CHUNK_WORDS)
         # Range edges on chunk multiples: even word offsets, whole chunks per thread.
         edges = [

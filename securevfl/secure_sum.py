@@ -332,13 +332,9 @@ class MaskParty(PartySumStage):
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
         # float32 values are encoded as they are (exactly as their float64 copy would be)
         x = np.asarray(x)
-        masked = self.masker.mask_prepared(x, round=round, group=group, tensor=key)
-        if masked is None:  # not made ahead (or refused: `mask` says why)
-            pending = self.masker.pending
-            masked = self.masker.mask(x, round=round, group=group, tensor=key)
-            self.ahead_used += self.masker.pending < pending  # it took masks made ahead
-        else:
-            self.ahead_used += 1
+        pending = self.masker.pending
+        masked = self.masker.mask(x, round=round, group=group, tensor=key)
+        self.ahead_used += self.masker.pending < pending  # it took masks made ahead
         self._note(round, group, key, int(x.size))
         return {key: masked}
 

@@ -433,7 +433,7 @@ class _DigestPlan:
     (its values; its storage, through `.data`) is the per-tensor check's business."""
 
     def __init__(self, found: Mapping[int, Any]) -> None:
-        self.modules = tuple(found.values())
+        self.modules = tuple(found.values())  # held, so that their ids stay theirs
         self.ids = tuple(found)
         tensors: list[tuple[str, Any]] = []
         seen: set[int] = set()
