@@ -120,6 +120,11 @@ def _check_domain_fields(domain: MaskDomain | MaskCallDomain) -> None:
     object.__setattr__(domain, "group", tuple(sorted(members)))
 
 
+def _domain_prefix(domain: MaskDomain | MaskCallDomain) -> bytes:
+    """The first field of a domain's encoding (before the session and the round)."""
+    return MASK_DOMAIN_PREFIX if isinstance(domain, MaskDomain) else MASK_CALL_PREFIX
+
+
 def _group_fields(domain: MaskDomain | MaskCallDomain) -> list[bytes]:
     return [
         length_prefixed(domain.session),
@@ -256,6 +261,9 @@ class MaskedSumParty:
         # (round, group, sizes) -> (domain, its encoding, its digest, its nonce) of the latest
         # calls
         self._resolved: dict[tuple, _Resolved] = {}
+        # (group, sizes) -> (a checked domain of those sums, its encoding before and after the
+        # round): the domain of the same sums in any other round without checking them again
+        self._templates: dict[tuple, tuple[MaskDomain | MaskCallDomain, tuple[bytes, bytes]]] = {}
         # replay guard: session -> round -> digests of the domains masked in that round. Only
         # the latest REPLAY_WINDOW rounds of a session are kept; an older round is refused
         # outright (its floor), so the guard stays bounded over a run of any length
@@ -335,21 +343,38 @@ class MaskedSumParty:
         ``check_terms``), its encoding, its digest and its keystreams' nonce. The latest ones
         are kept, so the same sums one round on are not checked, encoded and digested again in
         :meth:`prepare` and then in :meth:`mask_many`."""
-        memo = None
+        memo = template = None
         if type(round) is int and isinstance(group, tuple | list) and isinstance(sizes, dict):
             memo = (round, tuple(group), tuple(sizes.items()))
             found = self._resolved.get(memo)
             if found is not None:
                 return found
-        domain = self.call_domain(round=round, group=group, sizes=sizes)
-        self.encoder.check_terms(len(domain.group))
-        total = sum(int(size) for size in sizes.values() if isinstance(size, int | np.integer))
-        if total > MAX_STREAM_WORDS:
-            raise ValueError(
-                f"a masked call of {total} values is beyond one keystream's {MAX_STREAM_WORDS}"
-                "; split it into several calls"
-            )
-        domain_bytes = domain.encode()
+            template = self._templates.get(memo[1:])
+        if template is not None and 0 <= round < 2**64:
+            # the same sums in another round: only the round differs, in the domain and at a
+            # fixed place of its encoding (`_group_fields`); everything else was checked
+            first, head = template
+            domain = object.__new__(type(first))
+            domain.__dict__.update(first.__dict__)
+            domain.__dict__["round"] = round
+            domain_bytes = head[0] + round.to_bytes(8, "big") + head[1]
+        else:
+            domain = self.call_domain(round=round, group=group, sizes=sizes)
+            self.encoder.check_terms(len(domain.group))
+            total = sum(int(size) for size in sizes.values() if isinstance(size, int | np.integer))
+            if total > MAX_STREAM_WORDS:
+                raise ValueError(
+                    f"a masked call of {total} values is beyond one keystream's "
+                    f"{MAX_STREAM_WORDS}; split it into several calls"
+                )
+            domain_bytes = domain.encode()
+            if memo is not None:
+                # the encoding around the round: prefix and session before, the rest after
+                cut = len(_domain_prefix(domain)) + len(length_prefixed(domain.session))
+                assert domain_bytes[cut : cut + 8] == domain.round.to_bytes(8, "big")
+                if len(self._templates) >= _RESOLVED_DOMAINS:
+                    del self._templates[next(iter(self._templates))]
+                self._templates[memo[1:]] = (domain, (domain_bytes[:cut], domain_bytes[cut + 8 :]))
         resolved = (
             domain,
             domain_bytes,

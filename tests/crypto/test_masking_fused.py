@@ -540,3 +540,29 @@ def test_mask_prepared_takes_inline_masks_only_and_gives_the_same_bits() -> None
         == reference(p, x, round=3, group=group, tensor="h").tobytes()
     )
     p.close()
+
+
+@pytest.mark.parametrize("sizes", [{"h": 12}, {"h": 12, "g": 5}])
+def test_the_same_sums_in_another_round_get_the_domain_made_afresh(sizes) -> None:
+    """A call of the sums already resolved in another round takes its domain from the kept
+    template (only the round spliced in): the same domain, encoding, digest and nonce as a
+    domain made and checked afresh, for rounds up to 2**64 - 1; the masks are the reference's;
+    a round out of range is still refused."""
+    p = party("bob")
+    group = ("dave", "alice", "bob")  # unsorted: the domain keeps it sorted
+    fresh = party("bob")
+    for round in (0, 1, 7, 255, 256, 2**32, 2**63, 2**64 - 1, 3):
+        got = p._resolve(round, group, sizes)
+        fresh._templates.clear()  # made and checked afresh
+        want = fresh._resolve(round, group, sizes)
+        assert type(got[0]) is type(want[0]) and got[0] == want[0]
+        assert got[0].encode() == want[0].encode() == got[1] == want[1]
+        assert got[2:] == want[2:]
+    assert len(p._templates) == 1
+    x = np.linspace(-2.0, 2.0, 12)
+    for round in (10, 11, 12):
+        masked = p.mask(x, round=round, group=group, tensor="h")
+        assert masked.tobytes() == reference(p, x, round=round, group=group, tensor="h").tobytes()
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="round must be in"):
+            p._resolve(bad, group, sizes)
