@@ -5,8 +5,12 @@ and report the median wall and CPU (thread) time of each. The timing is put in b
 `sitecustomize.py` on the roles' PYTHONPATH, not in securevfl's code; it costs a few
 microseconds a call, the same in every arm. `--detail` also times the parties' checks and
 sums, the aggregator's round and the active party's side (`DETAIL`); a function missing from
-an arm's tree is left untimed there. The table gives, per arm, the median over the roles of a
-kind (party, aggregator, active) of each label's median CPU per call.
+an arm's tree is left untimed there. With `--detail` each call's start is on the clock every
+process shares, so the run's timeline also says where a batch's wall time goes
+(`batch_phases`: the active party's post, the parties' answers, the hop to the aggregator, its
+sum, the way to the active party and the active party's own work). The table gives, per arm,
+the median over the roles of a kind (party, aggregator, active) of each label's median CPU per
+call, and the median over the runs of each batch phase.
 
     python bench/role_timings.py [--data credit_default.csv] [--parties 4] [--epochs 3]
         [--repeats 2] [--arm NAME=TREE[:KEY=VALUE,...]]... [--detail] [--out FILE.json]
@@ -20,6 +24,7 @@ variables (UPPER_CASE=value) set, e.g. `--arm off=.:run.aggregation=mask,SECUREV
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -85,7 +90,7 @@ if _OUT:
                 return inner(*args, **kwargs)
             finally:
                 _T.setdefault(label, []).append(
-                    (time.perf_counter() - wall, time.thread_time() - cpu))
+                    (time.perf_counter() - wall, time.thread_time() - cpu, wall))
         setattr(owner, name, timed)
     for _spec in %r:
         _wrap(*_spec)
@@ -96,6 +101,83 @@ if _OUT:
             json.dump(_T, f)
     atexit.register(_dump)
 """
+
+
+#: What `batch_phases` splits a training batch into (wall ms, but the two CPU sums), in order.
+PHASES = (
+    "post",  # the active party sends the batch's call (active.post)
+    "to_parties",  # ... until the first party starts its answer (through the aggregator)
+    "parties",  # the first answer's start to the last one's end
+    "hop",  # the last answer's end to the aggregator's accepting it (send, transport, wake)
+    "aggregate",  # that accept's start to the end of the aggregator's result
+    "to_active",  # ... until the active party has the sum (transport, reveal: its settle ends)
+    "active",  # the active party's own work until it posts the next batch
+    "total",  # one post to the next
+    "parties_cpu",  # CPU of the parties' answers, summed
+    "ahead_cpu",  # CPU of the parties' work ahead after their sends (mask.idle, ckks.idle)
+)
+
+
+def batch_phases(raw: dict[str, dict[str, list]]) -> dict[str, float] | None:
+    """Where a training batch's wall time goes, from the timeline of one run with `--detail`:
+    `raw` is each role's samples by label, (wall s, CPU s, start s) each, the start on the
+    clock all processes share (perf_counter: CLOCK_MONOTONIC). A batch runs from one
+    active.post to the next (those 50 ms or more apart, set-up and evaluation, are left out)
+    and counts only when every party answered once in it and the aggregator accepted and
+    returned its sum; `PHASES` says what each phase is. Returns the median of each phase over
+    those batches in ms, with their number as `batches`; None without such batches."""
+
+    def calls(role: str, label: str) -> list[tuple[float, float, float]]:
+        return sorted((s[2], s[2] + s[0], s[1]) for s in raw.get(role, {}).get(label, ()))
+
+    posts = calls("active", "active.post")
+    settles = calls("active", "active.settle")
+    parties = sorted(r for r in raw if r not in ("active", "aggregator"))
+    answers = {p: calls(p, "party.answer") for p in parties}
+    ahead = [c for p in parties for label in ("mask.idle", "ckks.idle") for c in calls(p, label)]
+    accepts = calls("aggregator", "aggregator.accept")
+    results = calls("aggregator", "aggregator.result")
+    if not parties or not posts:
+        return None
+
+    def within(rows: list, t0: float, t1: float) -> list:
+        return [r for r in rows if t0 <= r[0] < t1]
+
+    batches = []
+    for (t0, post_end, _), (t1, _, _) in itertools.pairwise(posts):
+        if t1 - t0 >= 0.05:
+            continue
+        mine = [within(answers[p], t0, t1) for p in parties]
+        if any(len(a) != 1 for a in mine):
+            continue
+        first = min(a[0][0] for a in mine)
+        last = max(a[0][1] for a in mine)
+        accepted = within(accepts, first, t1)
+        summed = within(results, t0, t1)
+        settled = [s for s in settles if last <= s[1] < t1]
+        if len(accepted) < len(parties) or len(summed) != 1 or len(settled) != 1:
+            continue
+        hop_end = accepted[-1][0]
+        result_end = summed[0][1]
+        settle_end = settled[0][1]
+        batches.append(
+            {
+                "post": post_end - t0,
+                "to_parties": first - post_end,
+                "parties": last - first,
+                "hop": hop_end - last,
+                "aggregate": result_end - hop_end,
+                "to_active": settle_end - result_end,
+                "active": t1 - settle_end,
+                "total": t1 - t0,
+                "parties_cpu": sum(a[0][2] for a in mine),
+                "ahead_cpu": sum(c[2] for c in within(ahead, t0, t1)),
+            }
+        )
+    if not batches:
+        return None
+    out = {k: round(1e3 * statistics.median(b[k] for b in batches), 4) for k in PHASES}
+    return {**out, "batches": len(batches)}
 
 
 def summary(samples: list[list[float]]) -> dict[str, float]:
@@ -126,10 +208,17 @@ def arm_table(runs: list[dict]) -> dict:
             kind = role if role in ("aggregator", "active") else "party"
             for label, stats in labels.items():
                 per_label.setdefault(f"{kind}/{label}", []).append(stats["cpu_ms_median"])
+    phases = [r["batch_ms_median"] for r in runs if r.get("batch_ms_median")]
     return {
         "party_answer_cpu_ms_median": statistics.median(answers) if answers else None,
         "epoch_s_median": statistics.median(epochs) if epochs else None,
         "cpu_ms_median": {k: round(statistics.median(v), 4) for k, v in sorted(per_label.items())},
+        # where a batch's wall time goes (`batch_phases`), the median over the runs
+        "batch_ms_median": (
+            {k: round(statistics.median(p[k] for p in phases), 4) for k in PHASES}
+            if phases
+            else None
+        ),
     }
 
 
@@ -168,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             timings.mkdir(parents=True, exist_ok=True)
             env["SECUREVFL_ROLE_TIMINGS"] = str(timings)
             result = F.run_federation(prep, raw, out, env=env, pythonpath=tree)
+            raw = {p.stem: json.loads(p.read_text()) for p in sorted(timings.glob("*.json"))}
             roles = {
-                p.stem: {label: summary(s) for label, s in json.loads(p.read_text()).items()}
-                for p in sorted(timings.glob("*.json"))
+                role: {label: summary(s) for label, s in labels.items()}
+                for role, labels in raw.items()
             }
+            phases = batch_phases(raw) if args.detail else None
             answers = [
                 r["party.answer"]["cpu_ms_median"] for r in roles.values() if "party.answer" in r
             ]
@@ -186,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                     "repeat": repeat,
                     "overrides": overrides,
                     "roles": roles,
+                    "batch_ms_median": phases,
                     "epoch_seconds": result.get("epoch_seconds"),
                     "ok": result.get("ok"),
                 }
