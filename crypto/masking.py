@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -120,9 +121,19 @@ def _check_domain_fields(domain: MaskDomain | MaskCallDomain) -> None:
     object.__setattr__(domain, "group", tuple(sorted(members)))
 
 
-def _domain_prefix(domain: MaskDomain | MaskCallDomain) -> bytes:
-    """The first field of a domain's encoding (before the session and the round)."""
-    return MASK_DOMAIN_PREFIX if isinstance(domain, MaskDomain) else MASK_CALL_PREFIX
+def _round_at(domain: MaskDomain | MaskCallDomain) -> int:
+    """Where a domain's encoding holds its round (8 bytes): after the class's prefix and the
+    length-prefixed session, the first of `_group_fields`."""
+    prefix = MASK_DOMAIN_PREFIX if isinstance(domain, MaskDomain) else MASK_CALL_PREFIX
+    return len(prefix) + len(length_prefixed(domain.session))
+
+
+def _keep_latest(cache: dict, key: Any, value: Any) -> None:
+    """``cache[key] = value``, the oldest entry dropped first once it holds
+    `_RESOLVED_DOMAINS`."""
+    if len(cache) >= _RESOLVED_DOMAINS:
+        del cache[next(iter(cache))]
+    cache[key] = value
 
 
 def _group_fields(domain: MaskDomain | MaskCallDomain) -> list[bytes]:
@@ -352,7 +363,7 @@ class MaskedSumParty:
             template = self._templates.get(memo[1:])
         if template is not None and 0 <= round < 2**64:
             # the same sums in another round: only the round differs, in the domain and at a
-            # fixed place of its encoding (`_group_fields`); everything else was checked
+            # fixed place of its encoding (`_round_at`); everything else was checked
             first, head = template
             domain = object.__new__(type(first))
             domain.__dict__.update(first.__dict__)
@@ -368,13 +379,11 @@ class MaskedSumParty:
                     f"{MAX_STREAM_WORDS}; split it into several calls"
                 )
             domain_bytes = domain.encode()
-            if memo is not None:
-                # the encoding around the round: prefix and session before, the rest after
-                cut = len(_domain_prefix(domain)) + len(length_prefixed(domain.session))
+            if memo is not None:  # the encoding before and after the round
+                cut = _round_at(domain)
                 assert domain_bytes[cut : cut + 8] == domain.round.to_bytes(8, "big")
-                if len(self._templates) >= _RESOLVED_DOMAINS:
-                    del self._templates[next(iter(self._templates))]
-                self._templates[memo[1:]] = (domain, (domain_bytes[:cut], domain_bytes[cut + 8 :]))
+                around = (domain_bytes[:cut], domain_bytes[cut + 8 :])
+                _keep_latest(self._templates, memo[1:], (domain, around))
         resolved = (
             domain,
             domain_bytes,
@@ -382,9 +391,7 @@ class MaskedSumParty:
             stream_nonce(domain_bytes),
         )
         if memo is not None:
-            if len(self._resolved) >= _RESOLVED_DOMAINS:
-                del self._resolved[next(iter(self._resolved))]
-            self._resolved[memo] = resolved
+            _keep_latest(self._resolved, memo, resolved)
         return resolved
 
     def _streams(self, domain: MaskDomain | MaskCallDomain) -> list[tuple[bytes, bool]]:
