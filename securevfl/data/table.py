@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 # [data] stream = "auto": a role's file larger than this is streamed from a cache on disk
 STREAM_ABOVE_BYTES = 256 << 20
+# ids spanning at most 2 * rows + this are looked up through a dense id -> position table
+_DENSE_MARGIN = 4096
 
 
 @dataclass
@@ -161,10 +163,9 @@ class PartyTable:
             pos = self.rowstore.locate(ids)
             ok = pos >= 0
         else:
-            pos = np.searchsorted(self.ids, ids)
-            pos = np.minimum(pos, max(len(self.ids) - 1, 0))
-            ok = (len(self.ids) > 0) & (self.ids[pos] == ids)
-        if not np.all(ok):
+            pos = self._index_of(ids)
+            ok = pos >= 0
+        if not ok.all():
             missing = ids[~ok][:5].tolist()
             raise DataError(
                 f"{int((~ok).sum())} requested sample ids are not in this table, e.g. {missing}"
@@ -176,10 +177,35 @@ class PartyTable:
         ids = np.asarray(ids, dtype=np.int64)
         if self.streamed:
             return self.rowstore.locate(ids) >= 0
-        if len(self.ids) == 0:
-            return np.zeros(len(ids), dtype=bool)
-        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
-        return self.ids[pos] == ids
+        return self._index_of(ids) >= 0
+
+    def _index_of(self, ids: np.ndarray) -> np.ndarray:
+        """int64 positions of int64 `ids` in this (in-memory) table, -1 where it does not
+        hold them. Where the ids are compact (they span at most twice the rows, plus a margin:
+        row numbers, a split of them), through a dense table from id to position, made once per
+        `ids` array: one read per id, where a binary search makes ~log2(rows) reads, each a
+        likely cache miss in a role that shares its core with others; else a binary search."""
+        n = len(self.ids)
+        if n == 0:
+            return np.full(len(ids), -1, dtype=np.int64)
+        dense = getattr(self, "_dense", None)
+        if dense is None or dense[0] is not self.ids:
+            lo, hi = int(self.ids[0]), int(self.ids[-1])
+            table = None
+            if hi - lo <= 2 * n + _DENSE_MARGIN:
+                table = np.full(hi - lo + 1, -1, dtype=np.int64)
+                table[self.ids - lo] = np.arange(n, dtype=np.int64)
+            dense = self._dense = (self.ids, lo, table)
+        _, lo, table = dense
+        if table is not None:  # compared before subtracting: no id wraps around into range
+            inside = (ids >= lo) & (ids <= lo + len(table) - 1)
+            if inside.all():
+                return table[ids - lo]
+            pos = np.full(len(ids), -1, dtype=np.int64)
+            pos[inside] = table[ids[inside] - lo]
+            return pos
+        pos = np.minimum(np.searchsorted(self.ids, ids), n - 1)
+        return np.where(self.ids[pos] == ids, pos, -1)
 
     def held_ids(self, ids: np.ndarray) -> np.ndarray:
         """`ids[self.has(ids)]`: the rows of `ids` this table holds, in that order. For a

@@ -97,8 +97,10 @@ def lr_at(cfg: RunConfig, epoch: int) -> float:
 
 def block_optimizer(params: Iterable[Any], cfg: RunConfig) -> Any:
     """Adam, or SGD with `[method] momentum`; `[train]` lr and weight decay."""
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":  # torch's Adam, bit for bit, at less Python cost a step
+        from securevfl.methods.blocks.lean_adam import LeanAdam
+
+        return LeanAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=float(cfg.options.momentum), weight_decay=cfg.weight_decay
     )
