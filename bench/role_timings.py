@@ -69,6 +69,13 @@ DETAIL = (
     ("securevfl.roles.active_round", "ActiveRound", "_settle", "active.settle"),
     ("securevfl.secure_sum", "MaskActive", "reveal", "active.mask_reveal"),
     ("securevfl.secure_sum", "CkksActive", "reveal", "active.ckks_reveal"),
+    # the model's own work in a split-NN role: reading the batch's rows, the optimiser
+    # (PrivateTraining wraps it: Opacus's or the plain one) and autograd's backward
+    ("securevfl.methods.splitnn", "SplitNNParty", "handle", "splitnn.handle"),
+    ("securevfl.methods.splitnn", "SplitNNParty", "_inputs", "splitnn.inputs"),
+    ("securevfl.privacy.runtime", "PrivateTraining", "step", "training.step"),
+    ("securevfl.privacy.runtime", "PrivateTraining", "zero_grad", "training.zero_grad"),
+    ("torch._tensor", "Tensor", "backward", "torch.backward"),
 )
 
 SITECUSTOMIZE = """

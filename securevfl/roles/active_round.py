@@ -92,6 +92,7 @@ class ActiveRound:
     ) -> None:
         self.config = cfg
         self.exchange = exchange
+        self._exchange_kind: tuple[Any, bool] | None = None
         self.session = session
         self.session_hex = session.hex()
         self.method = method
@@ -285,7 +286,10 @@ class ActiveRound:
 
     def _transmit(self, env: Envelope) -> None:
         exchange = self.exchange
-        if isinstance(exchange, PipelinedExchange):
+        kind = self._exchange_kind
+        if kind is None or kind[0] is not exchange:  # a Protocol isinstance costs µs: once
+            kind = self._exchange_kind = (exchange, isinstance(exchange, PipelinedExchange))
+        if kind[1]:
             exchange.send(env)
         else:  # one call in, its result out (the direct path): kept until waited for
             self._results[env.round] = exchange(env)
