@@ -7,9 +7,10 @@ which runs every encoder back to back). This measures that multiple on the party
 (a Linear-ReLU-Linear encoder on `--cols` columns, Adam): per batch, the CPU time (thread
 time) of the forward (rows read by position, the encoder) and of the backward and the
 optimiser's step, warm (right after an untimed batch of the same model) and cold (a read of `--trash-mb` MB, more than the
-last-level cache, before each timed part). Optimisers: torch's Adam and securevfl's LeanAdam
-(`securevfl.methods.blocks.lean_adam`), interleaved batch by batch so that the machine's load
-hits them alike.
+last-level cache, before each timed part). Arms: torch's Adam and `Tensor.backward`; securevfl's
+LeanAdam (`securevfl.methods.blocks.lean_adam`) and `Tensor.backward`; LeanAdam and
+`securevfl.methods.blocks.nets.run_backward` (what the roles run); interleaved batch by batch
+so that the machine's load hits them alike.
 
     python bench/cold_cache.py [--batches 1500] [--trash-mb 64] [--out FILE.json]
 """
@@ -47,6 +48,7 @@ def measure(
     import torch
 
     from securevfl.methods.blocks.lean_adam import LeanAdam
+    from securevfl.methods.blocks.nets import run_backward
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
@@ -56,14 +58,21 @@ def measure(
     def evict() -> None:
         trash.sum()
 
+    def tensor_backward(out, grad) -> None:
+        out.backward(grad)
+
     arms = {}
-    for name, make in (("torch_adam", torch.optim.Adam), ("lean_adam", LeanAdam)):
+    for name, make, backward in (
+        ("torch_adam", torch.optim.Adam, tensor_backward),
+        ("lean_adam", LeanAdam, tensor_backward),
+        ("lean_adam_run_backward", LeanAdam, run_backward),  # what securevfl's roles run
+    ):
         torch.manual_seed(seed)
         encoder = torch.nn.Sequential(
             torch.nn.Linear(cols, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, width)
         )
-        arms[name] = (encoder, make(encoder.parameters(), lr=1e-3))
-    def one(encoder, opt, cold: bool) -> tuple[float, float]:
+        arms[name] = (encoder, make(encoder.parameters(), lr=1e-3), backward)
+    def one(encoder, opt, backward, cold: bool) -> tuple[float, float]:
         ids = rng.integers(0, rows, batch)
         grad = torch.from_numpy(rng.standard_normal((batch, width), dtype=np.float32))
         if cold:
@@ -76,7 +85,7 @@ def measure(
             evict()
         t2 = time.thread_time()
         opt.zero_grad()
-        out.backward(grad)
+        backward(out, grad)
         opt.step()
         t3 = time.thread_time()
         return t1 - t0, t3 - t2
@@ -84,10 +93,10 @@ def measure(
     samples = {(name, state): [] for name in arms for state in ("warm", "cold")}
     for i in range(warmup + batches):
         for state in ("warm", "cold"):
-            for name, (encoder, opt) in arms.items():
+            for name, (encoder, opt, backward) in arms.items():
                 if state == "warm":  # the batch before, untimed: its caches are this one's
-                    one(encoder, opt, cold=False)
-                got = one(encoder, opt, cold=state == "cold")
+                    one(encoder, opt, backward, cold=False)
+                got = one(encoder, opt, backward, cold=state == "cold")
                 if i >= warmup:
                     samples[(name, state)].append(got)
     result = {}

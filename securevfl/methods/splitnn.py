@@ -33,6 +33,7 @@ from securevfl.methods.blocks.nets import (
     make_optimizer,
     mlp,
     output_dim,
+    run_backward,
     scaled_rows,
     table_batches,
     table_class_count,
@@ -178,7 +179,7 @@ class SplitNNParty(PartyMethod):
                     f"gradient shape {tuple(grad.shape)} != representation {tuple(out.shape)}"
                 )
             self.training.zero_grad()
-            out.backward(grad)
+            run_backward(out, grad)
             self.training.step()
             return {}
         raise UnknownOperation("splitnn", op)
@@ -327,7 +328,7 @@ class SplitNNActive(ActiveMethod):
                 s, out = self._head(ids, total, train=True, x=x)
                 loss = task_loss(cfg.task, out, y)
                 self.training.zero_grad()
-                loss.backward()
+                run_backward(loss)
                 # the head's step is charged first (a DP-SGD budget that runs out stops before
                 # any release) and applied once the next call is on its way (`_training_sums`):
                 # the gradient sent does not depend on it, the next batch's head sees it

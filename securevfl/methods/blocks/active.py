@@ -24,6 +24,7 @@ from securevfl.methods.blocks.nets import (
     derived_seed,
     mlp,
     output_dim,
+    run_backward,
     scaled_rows,
     table_class_count,
     task_loss,
@@ -203,7 +204,7 @@ class BlockActive(BlockEvaluation, ActiveMethod):
         """Backpropagate `loss`, return each party dL/d(its outputs) through the context (label
         DP, ledger), then step the active party's optimizer."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        run_backward(loss)
         updated = self.return_gradients(ctx, ids, leaves, epoch=epoch)
         self.optimizer.step()
         if self.quarantine:

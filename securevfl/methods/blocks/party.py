@@ -18,7 +18,7 @@ import numpy as np
 
 from securevfl.lazy import nn, torch
 from securevfl.methods.base import Operation, PartyMethod, Release, UnknownOperation
-from securevfl.methods.blocks.nets import derived_seed, mlp, scaled_rows
+from securevfl.methods.blocks.nets import derived_seed, mlp, run_backward, scaled_rows
 from securevfl.methods.blocks.options import block_optimizer, fit_scaler, lr_at
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class BlockParty(PartyMethod):
                 for m, grad in grads.items():
                     training = self.trainings[m]
                     training.zero_grad()
-                    outs[m].backward(grad)
+                    run_backward(outs[m], grad)
                     training.step(epoch=self._epoch)
             elif grads:
                 self.optimizer.zero_grad(set_to_none=True)
