@@ -6,11 +6,11 @@ then costs a multiple of what the same work costs in a loop (or in the centralis
 which runs every encoder back to back). This measures that multiple on the party's own model
 (a Linear-ReLU-Linear encoder on `--cols` columns, Adam): per batch, the CPU time (thread
 time) of the forward (rows read by position, the encoder) and of the backward and the
-optimiser's step, warm (right after an untimed batch of the same model) and cold (a read of `--trash-mb` MB, more than the
-last-level cache, before each timed part). Arms: torch's Adam and `Tensor.backward`; securevfl's
-LeanAdam (`securevfl.methods.blocks.lean_adam`) and `Tensor.backward`; LeanAdam and
-`securevfl.methods.blocks.nets.run_backward` (what the roles run); interleaved batch by batch
-so that the machine's load hits them alike.
+optimiser's step, warm (right after an untimed batch of the same model) and cold (a read of
+`--trash-mb` MB, more than the last-level cache, before each timed part). Arms: torch's Adam
+and `Tensor.backward`; securevfl's LeanAdam (`securevfl.methods.blocks.lean_adam`) and
+`Tensor.backward`; LeanAdam and `securevfl.methods.blocks.nets.run_backward` (what the roles
+run); interleaved batch by batch so that the machine's load hits them alike.
 
     python bench/cold_cache.py [--batches 1500] [--trash-mb 64] [--out FILE.json]
 """
@@ -72,6 +72,7 @@ def measure(
             torch.nn.Linear(cols, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, width)
         )
         arms[name] = (encoder, make(encoder.parameters(), lr=1e-3), backward)
+
     def one(encoder, opt, backward, cold: bool) -> tuple[float, float]:
         ids = rng.integers(0, rows, batch)
         grad = torch.from_numpy(rng.standard_normal((batch, width), dtype=np.float32))
@@ -107,7 +108,7 @@ def measure(
             "forward_ms": round(forward, 4),
             "backward_step_ms": round(backward, 4),
         }
-    for name, states in result.items():
+    for states in result.values():
         for part in ("forward_ms", "backward_step_ms"):
             states[f"cold_over_warm_{part[:-3]}"] = round(
                 states["cold"][part] / states["warm"][part], 2
@@ -125,14 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trash-mb", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    result = measure(
-        rows=args.rows,
-        cols=args.cols,
-        batch=args.batch,
-        batches=args.batches,
-        warmup=args.warmup,
-        trash_mb=args.trash_mb,
-    )
+    sizes = ("rows", "cols", "batch", "batches", "warmup", "trash_mb")
+    result = measure(**{name: getattr(args, name) for name in sizes})
     report = {
         "command": "python bench/cold_cache.py " + " ".join(argv or sys.argv[1:]),
         "machine": platform.processor() or platform.machine(),

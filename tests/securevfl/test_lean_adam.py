@@ -41,7 +41,7 @@ def _train(opt_class, steps: int, *, state=None, skip_bias_at=(), lr_at=None, **
 
 def _same(a, b) -> None:
     (ma, oa), (mb, ob) = a, b
-    for pa, pb in zip(ma.parameters(), mb.parameters()):
+    for pa, pb in zip(ma.parameters(), mb.parameters(), strict=True):
         assert torch.equal(pa, pb)
     sa, sb = oa.state_dict(), ob.state_dict()
     assert sa["param_groups"] == sb["param_groups"]

@@ -33,7 +33,7 @@ def test_the_same_gradients_as_torchs_backward_bit_for_bit(scalar):
     expected = _grads(lambda out, g: out.backward(g), scalar=scalar)
     with mock.patch.object(torch.Tensor, "backward", side_effect=AssertionError("slow path")):
         got = _grads(run_backward, scalar=scalar)  # the engine, not Tensor.backward
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
 
 
 def test_module_backward_hooks_fire():
