@@ -192,15 +192,16 @@ class PartyTable:
         if dense is None or dense[0] is not self.ids:
             lo, hi = int(self.ids[0]), int(self.ids[-1])
             table = None
-            if hi - lo <= 2 * n + _DENSE_MARGIN:
-                table = np.full(hi - lo + 1, -1, dtype=np.int64)
-                table[self.ids - lo] = np.arange(n, dtype=np.int64)
+            if hi - lo <= 2 * n + _DENSE_MARGIN:  # int32 positions: 4 bytes per id spanned
+                dtype = np.int32 if n < 2**31 else np.int64
+                table = np.full(hi - lo + 1, -1, dtype=dtype)
+                table[self.ids - lo] = np.arange(n, dtype=dtype)
             dense = self._dense = (self.ids, lo, table)
         _, lo, table = dense
         if table is not None:  # compared before subtracting: no id wraps around into range
             inside = (ids >= lo) & (ids <= lo + len(table) - 1)
             if inside.all():
-                return table[ids - lo]
+                return table[ids - lo].astype(np.int64)
             pos = np.full(len(ids), -1, dtype=np.int64)
             pos[inside] = table[ids[inside] - lo]
             return pos

@@ -78,3 +78,9 @@ def test_an_empty_table_holds_nothing():
     assert table.has(np.array([0, 1])).tolist() == [False, False]
     with pytest.raises(DataError, match="2 requested sample ids"):
         table.positions(np.array([0, 1]))
+
+
+def test_positions_are_int64_whatever_the_index_holds():
+    table = _table(np.arange(50))
+    assert table.positions(np.array([3, 7])).dtype == np.int64
+    assert table._index_of(np.array([3, 99])).dtype == np.int64
