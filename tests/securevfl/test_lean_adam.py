@@ -6,9 +6,14 @@ hooks that still run once, and zero_grad as torch's."""
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from securevfl.methods.blocks.lean_adam import LeanAdam
 
@@ -132,3 +137,45 @@ def test_a_closure_is_evaluated_by_torchs_step():
         return loss
 
     assert opt.step(closure) is not None
+
+
+def _stepped(opt, model, steps: int = 3) -> None:
+    for _ in range(steps):  # the first step is torch's (it makes the state), then the short path
+        opt.zero_grad()
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+
+
+def test_a_global_step_hook_runs_once_a_step_and_sees_the_calls_arguments():
+    model = _model()
+    opt = LeanAdam(model.parameters(), lr=1e-3)
+    seen = []
+    handles = [
+        register_optimizer_step_pre_hook(
+            lambda o, args, kwargs: seen.append(("pre", o is opt, len(args)))
+        ),
+        register_optimizer_step_post_hook(
+            lambda o, args, kwargs: seen.append(("post", o is opt, len(args)))
+        ),
+    ]
+    try:
+        _stepped(opt, model)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == [("pre", True, 1), ("post", True, 1)] * 3
+
+
+def test_unobserved_steps_skip_torchs_wrapper_and_a_profiler_sees_them():
+    model = _model()
+    opt = LeanAdam(model.parameters(), lr=1e-3)
+    _stepped(opt, model, 1)  # state made
+    with mock.patch.object(
+        torch.autograd.profiler, "record_function", wraps=torch.autograd.profiler.record_function
+    ) as record:
+        _stepped(opt, model, 2)
+    assert record.call_count == 0  # no hook, no profiler: the bare short path
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _stepped(opt, model, 2)
+    names = [e.name for e in prof.events()]
+    assert names.count("Optimizer.step#LeanAdam.step") == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 
 _PLAIN = (
     ("amsgrad", False),
@@ -26,9 +27,28 @@ _PLAIN = (
 )
 
 
+def _observed(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step must run inside torch's wrapper: a step hook (this optimizer's or a
+    global one) or a profiler recording; True where this torch keeps them elsewhere."""
+    globals_ = (
+        getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
+        getattr(_torch_optimizer, "_global_optimizer_post_hooks", None),
+    )
+    enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    if any(g is None for g in globals_) or enabled is None:
+        return True
+    return bool(
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or globals_[0]
+        or globals_[1]
+        or enabled()
+    )
+
+
 def _torch_step(opt: torch.optim.Adam, closure: Any) -> Any:
     """`torch.optim.Adam.step` without the profiling/hook wrapper torch may have put on it
-    (our own class's step carries that wrapper already: the hooks run once)."""
+    (LeanAdam runs it inside that wrapper already: the hooks run once)."""
     step = torch.optim.Adam.step
     if getattr(step, "hooked", False):
         step = step.__wrapped__
@@ -46,9 +66,11 @@ class LeanAdam(torch.optim.Adam):
         beta1, beta2 = group["betas"]
         return all(type(v) is float for v in (group["lr"], beta1, beta2, group["eps"]))
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if closure is not None or not all(self._lean(g) for g in self.param_groups):
-            return _torch_step(self, closure)
+    def _short(self) -> bool:
+        """Whether this step can take the short path: plain groups, and every parameter with
+        a gradient a dense real tensor whose state a first step (torch's) has made."""
+        if not all(self._lean(g) for g in self.param_groups):
+            return False
         state = self.state
         for group in self.param_groups:
             for p in group["params"]:
@@ -56,7 +78,28 @@ class LeanAdam(torch.optim.Adam):
                 if grad is not None and (
                     not state.get(p) or grad.is_sparse or p.is_complex() or grad.requires_grad
                 ):
-                    return _torch_step(self, closure)  # a first step, or an unusual tensor
+                    return False
+        return True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Not wrapped by torch (`hooked` below): with no step hook, global or this
+        optimizer's, and no profiler running, the short path runs bare; otherwise the step
+        runs inside torch's wrapper (hooks, the profiler's record), as torch's own would."""
+        if closure is None:
+            if not _observed(self) and self._short():
+                return self._short_step()
+            return _OBSERVED_STEP(self)  # the hooks see the call's own arguments
+        return _OBSERVED_STEP(self, closure)
+
+    step.hooked = True  # type: ignore[attr-defined]  # torch's Optimizer leaves it unwrapped
+
+    def _step(self, closure: Any = None) -> Any:
+        if closure is None and self._short():
+            return self._short_step()
+        return _torch_step(self, closure)
+
+    def _short_step(self) -> None:
+        state = self.state
         with torch.no_grad():
             for group in self.param_groups:
                 beta1, beta2 = group["betas"]
@@ -92,3 +135,7 @@ class LeanAdam(torch.optim.Adam):
             for p in group["params"]:
                 p.grad = None
         return None
+
+
+# LeanAdam's step when observed: torch's wrapper (hooks, the profiler's record) around it
+_OBSERVED_STEP = torch.optim.Optimizer.profile_hook_step(LeanAdam._step)
