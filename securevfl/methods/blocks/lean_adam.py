@@ -38,8 +38,8 @@ def _observed(opt: torch.optim.Optimizer) -> bool:
     if any(g is None for g in globals_) or enabled is None:
         return True
     return bool(
-        opt._optimizer_step_pre_hooks
-        or opt._optimizer_step_post_hooks
+        getattr(opt, "_optimizer_step_pre_hooks", True)
+        or getattr(opt, "_optimizer_step_post_hooks", True)
         or globals_[0]
         or globals_[1]
         or enabled()
