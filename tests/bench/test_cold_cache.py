@@ -14,7 +14,7 @@ import cold_cache  # noqa: E402
 
 def test_it_times_both_optimisers_warm_and_cold_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "cold.json"
-    argv = ["--rows", "2000", "--batches", "12", "--warmup", "2", "--trash-mb", "2"]
+    argv = ["--rows", "2000", "--batches", "6", "--warmup", "1", "--trash-mb", "1"]
     assert cold_cache.main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["command"].startswith("python bench/cold_cache.py --rows 2000")
