@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import cold_cache  # noqa: E402
 
 
-def test_it_times_both_optimisers_warm_and_cold_and_writes_the_report(tmp_path: Path) -> None:
+def test_it_times_every_arm_warm_and_cold_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "cold.json"
     argv = ["--rows", "2000", "--batches", "6", "--warmup", "1", "--trash-mb", "1"]
     assert cold_cache.main([*argv, "--out", str(out)]) == 0
