@@ -48,7 +48,7 @@ def measure(
     import torch
 
     from securevfl.methods.blocks.lean_adam import LeanAdam
-    from securevfl.methods.blocks.nets import run_backward
+    from securevfl.methods.blocks.nets import mlp, run_backward
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(seed)
@@ -67,10 +67,7 @@ def measure(
         ("lean_adam", LeanAdam, tensor_backward),
         ("lean_adam_run_backward", LeanAdam, run_backward),  # what securevfl's roles run
     ):
-        torch.manual_seed(seed)
-        encoder = torch.nn.Sequential(
-            torch.nn.Linear(cols, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, width)
-        )
+        encoder = mlp(cols, [hidden], width, seed=seed)  # a split-NN party's encoder
         arms[name] = (encoder, make(encoder.parameters(), lr=1e-3), backward)
 
     def one(encoder, opt, backward, cold: bool) -> tuple[float, float]:

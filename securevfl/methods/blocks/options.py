@@ -13,7 +13,7 @@ import numpy as np
 
 from securevfl.errors import ConfigError
 from securevfl.lazy import torch
-from securevfl.methods.blocks.nets import Standardizer
+from securevfl.methods.blocks.nets import Standardizer, make_optimizer
 from securevfl.methods.options import option
 
 if TYPE_CHECKING:
@@ -97,10 +97,8 @@ def lr_at(cfg: RunConfig, epoch: int) -> float:
 
 def block_optimizer(params: Iterable[Any], cfg: RunConfig) -> Any:
     """Adam, or SGD with `[method] momentum`; `[train]` lr and weight decay."""
-    if cfg.optimizer == "adam":  # torch's Adam, bit for bit, at less Python cost a step
-        from securevfl.methods.blocks.lean_adam import LeanAdam
-
-        return LeanAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":  # the one Adam every encoder + head method uses
+        return make_optimizer(params, cfg)
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=float(cfg.options.momentum), weight_decay=cfg.weight_decay
     )
