@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -261,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             env = environment_of(overrides)
             out = args.work / f"{name}-{repeat}"
             timings = out / "timings"
-            timings.mkdir(parents=True, exist_ok=True)
+            # a run before with more parties left its roles' files here: they are not this run's
+            shutil.rmtree(timings, ignore_errors=True)
+            timings.mkdir(parents=True)
             env["SECUREVFL_ROLE_TIMINGS"] = str(timings)
             result = F.run_federation(prep, raw, out, env=env, pythonpath=tree)
             raw = {p.stem: json.loads(p.read_text()) for p in sorted(timings.glob("*.json"))}
