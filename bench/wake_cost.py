@@ -24,7 +24,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -37,14 +39,69 @@ import numpy as np  # noqa: E402
 
 KINDS = {"call", "contribution"}
 WARMUP = 100
+PARTY = "p1"
 
 
-def _frames() -> tuple[np.ndarray, np.ndarray]:
-    return np.arange(256, dtype=np.int64), np.zeros((256, 16), np.float32)
+def call_envelope(round: int) -> Any:
+    """What the aggregator relays for one split-NN batch: the backward of batch t fused ahead
+    of the forward of batch t+1 (`securevfl.roles.rounds.fuse`), with the active party's tag,
+    256 rows, width 16."""
+    from securevfl.methods import SumSpec
+    from securevfl.roles.guard import call_tags
+    from securevfl.roles.rounds import Call, fuse
+
+    session = bytes(16)
+    ids = np.arange(256, dtype=np.int64)
+    common = {"session": session.hex(), "ids": ids, "to": (PARTY,)}
+    backward = Call(
+        op="backward", round=round, inputs={"grad": np.zeros((256, 16), np.float32)}, **common
+    )
+    forward = Call(op="forward", round=round + 1, sums=(SumSpec("z", "z", (PARTY,)),), **common)
+    env = fuse([backward, forward], sender="aggregator")
+    env.meta["auth"] = call_tags(
+        env.meta, session=session, round=env.round, tensors=env.tensors, keys={PARTY: bytes(32)}
+    )
+    return env
+
+
+def contribution_envelope(call: Any) -> Any:
+    """A party's answer to `call`: its 256 x 16 float32 representation."""
+    from transport import Envelope
+
+    return Envelope(
+        kind="contribution",
+        sender=PARTY,
+        session=call.session,
+        round=call.round,
+        tensors={"z": np.zeros((256, 16), np.float32)},
+        meta={"shapes": {"z": [256, 16]}},
+    )
+
+
+def time_trips(trips: int, trip: Callable[[int], float]) -> tuple[float, float]:
+    """Run `trip(i)` WARMUP + `trips` times; (wall ms per timed trip, the mean of what the
+    timed trips returned: the CPU ms of one receive, or 0)."""
+    started, spent = 0.0, 0.0
+    for i in range(WARMUP + trips):
+        if i == WARMUP:
+            started = time.perf_counter()
+        cpu = trip(i)
+        if i >= WARMUP:
+            spent += cpu
+    return (time.perf_counter() - started) / trips * 1e3, spent / trips
+
+
+def timed_recv(recv: Callable[[], Any]) -> tuple[Any, float]:
+    """`recv()`'s result and the CPU ms (this thread's) it took."""
+    t = time.thread_time()
+    out = recv()
+    return out, (time.thread_time() - t) * 1e3
 
 
 def _raw_child(endpoint: str, keys: tuple | None, cpu: int, trips: int) -> None:
     import zmq
+
+    from transport.envelope import pack
 
     os.sched_setaffinity(0, {cpu})
     ctx = zmq.Context()
@@ -53,16 +110,20 @@ def _raw_child(endpoint: str, keys: tuple | None, cpu: int, trips: int) -> None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
     sock.connect(endpoint)
     sock.send(b"hello")
-    _, contribution = _frames()
-    for _ in range(trips + WARMUP):
+    answer = pack(contribution_envelope(call_envelope(1)))
+    for _ in range(WARMUP + trips):
         sock.recv_multipart(copy=False)
-        sock.send_multipart([b"h" * 200, memoryview(contribution)], copy=False)
+        sock.send_multipart(answer, copy=False)
     sock.close(linger=1000)
     ctx.term()
 
 
 def raw_trip(*, curve: bool, cpus: tuple[int, int], trips: int) -> dict:
+    """Round trips over a bare ROUTER/DEALER pair, the same bytes securevfl sends (packed
+    once: no envelope work, no checks)."""
     import zmq
+
+    from transport.envelope import pack
 
     os.sched_setaffinity(0, {cpus[0]})
     ctx = zmq.Context()
@@ -80,16 +141,14 @@ def raw_trip(*, curve: bool, cpus: tuple[int, int], trips: int) -> dict:
     child.start()
     try:
         rid, _ = router.recv_multipart()
-        ids, grad = _frames()
-        started = 0.0
-        for i in range(trips + WARMUP):
-            if i == WARMUP:
-                started = time.perf_counter()
-            router.send_multipart(
-                [rid, b"h" * 400, memoryview(ids), memoryview(ids), memoryview(grad)], copy=False
-            )
+        frames = [rid, *pack(call_envelope(1))]
+
+        def trip(_: int) -> float:
+            router.send_multipart(frames, copy=False)
             router.recv_multipart(copy=False)
-        trip_ms = (time.perf_counter() - started) / trips * 1e3
+            return 0.0
+
+        trip_ms, _ = time_trips(trips, trip)
     finally:
         child.join(timeout=30)
         router.close(linger=0)
@@ -98,42 +157,34 @@ def raw_trip(*, curve: bool, cpus: tuple[int, int], trips: int) -> dict:
 
 
 def _peer_child(endpoint: str, pair, hub_public: bytes, cpu: int, trips: int, q) -> None:
-    from transport import Envelope, Peer
+    from transport import Peer
 
     os.sched_setaffinity(0, {cpu})
-    peer = Peer(name="p1", connect=endpoint, keypair=pair, server_public=hub_public, kinds=KINDS)
-    _, contribution = _frames()
-    cpu_s, n = 0.0, 0
-    for i in range(trips + WARMUP):
-        t = time.thread_time()
-        env = peer.recv(timeout=30)
-        if i >= WARMUP:
-            cpu_s += time.thread_time() - t
-            n += 1
-        peer.send(
-            Envelope(
-                kind="contribution",
-                sender="p1",
-                session=env.session,
-                round=env.round,
-                tensors={"z": contribution},
-                meta={"shapes": {"z": [256, 16]}},
-            )
-        )
-    q.put(cpu_s / n * 1e3)
+    peer = Peer(name=PARTY, connect=endpoint, keypair=pair, server_public=hub_public, kinds=KINDS)
+
+    answer = contribution_envelope(call_envelope(1))  # made once, as the raw child's
+
+    def trip(_: int) -> float:
+        cpu_ms = timed_recv(lambda: peer.recv(timeout=30))[1]
+        peer.send(answer)  # each send stamps a new seq
+        return cpu_ms
+
+    _, recv_ms = time_trips(trips, trip)
+    q.put(recv_ms)
     time.sleep(0.5)  # the hub has the last reply before the socket goes
     peer.close()
 
 
 def securevfl_trip(*, cpus: tuple[int, int], trips: int) -> dict:
-    from transport import Allowlist, CurveKeyPair, Envelope, Hub
+    """Round trips between a `transport.Hub` and a `transport.Peer` in another process."""
+    from transport import Allowlist, CurveKeyPair, Hub
 
     os.sched_setaffinity(0, {cpus[0]})
     hub_pair, pair = CurveKeyPair.generate(), CurveKeyPair.generate()
     hub = Hub(
         bind="tcp://127.0.0.1:0",
         keypair=hub_pair,
-        allowlist=Allowlist({"p1": pair.public}),
+        allowlist=Allowlist({PARTY: pair.public}),
         kinds=KINDS,
     )
     spawn = mp.get_context("spawn")
@@ -143,45 +194,23 @@ def securevfl_trip(*, cpus: tuple[int, int], trips: int) -> dict:
     )
     child.start()
     try:
-        hub.wait_for(["p1"], timeout=30)
-        ids, grad = _frames()
-        meta = {
-            "op": "forward",
-            "args": {},
-            "to": ["p1"],
-            "sums": [["z", "z", ["p1"]]],
-            "collect": [],
-            "ahead": [{"round": 1, "op": "backward", "args": {}, "to": ["p1"]}],
-            "auth": {"p1": "x" * 43},
-        }
-        started, hub_cpu = 0.0, 0.0
-        for i in range(trips + WARMUP):
-            if i == WARMUP:
-                started = time.perf_counter()
-            hub.send(
-                "p1",
-                Envelope(
-                    kind="call",
-                    sender="aggregator",
-                    session="s",
-                    round=i + 1,
-                    tensors={"ids": ids, "ahead0:ids": ids, "ahead0:grad": grad},
-                    meta=meta,
-                ),
-            )
-            t = time.thread_time()
-            hub.recv(timeout=30)
-            if i >= WARMUP:
-                hub_cpu += time.thread_time() - t
-        trip_ms = (time.perf_counter() - started) / trips * 1e3
-        peer_cpu = q.get(timeout=30)
+        hub.wait_for([PARTY], timeout=30)
+
+        call = call_envelope(1)  # made once, as the raw case's: the trips time the transport
+
+        def trip(_: int) -> float:
+            hub.send(PARTY, call)  # each send stamps a new seq
+            return timed_recv(lambda: hub.recv(timeout=30))[1]
+
+        trip_ms, hub_ms = time_trips(trips, trip)
+        peer_ms = q.get(timeout=30)
     finally:
         child.join(timeout=30)
         hub.close()
     return {
         "round_trip_ms": round(trip_ms, 4),
-        "hub_recv_cpu_ms": round(hub_cpu / trips * 1e3, 4),
-        "peer_recv_cpu_ms": round(peer_cpu, 4),
+        "hub_recv_cpu_ms": round(hub_ms, 4),
+        "peer_recv_cpu_ms": round(peer_ms, 4),
     }
 
 
