@@ -36,6 +36,7 @@ from transport.sockets import (
     NOBLOCK,
     RESERVED_KINDS,
     Endpoint,
+    Received,
     check_endpoint,
     check_kinds,
     check_timeout,
@@ -222,7 +223,7 @@ class Peer(Endpoint):
                     received = recv_bounded(sock, limits=self.limits)
                 except zmq.Again:
                     break
-                env = self._handle(received.frames, received.overflow)
+                env = self._handle(received)
                 if env is not None:
                     return env
             now = time.monotonic()
@@ -384,11 +385,11 @@ class Peer(Endpoint):
             "that hub serves, and check that the address is that hub's"
         )
 
-    def _handle(self, frames: list[zmq.Frame], overflow: str | None = None) -> Envelope | None:
+    def _handle(self, received: Received) -> Envelope | None:
         try:
-            if overflow is not None:
-                raise EnvelopeError(overflow)
-            env = unpack(frames, kinds=self._wire_kinds, limits=self.limits)
+            if received.overflow is not None:
+                raise EnvelopeError(received.overflow)
+            env = unpack(received.frames, kinds=self._wire_kinds, limits=self.limits)
             if env.sender != self.hub_name:
                 raise EnvelopeError(
                     f"the sender field says {quote(env.sender)} but this socket only talks to "
@@ -415,7 +416,7 @@ class Peer(Endpoint):
         self._last_heard = time.monotonic()
         if env.kind in RESERVED_KINDS:
             return None
-        self.bytes_received += frames_nbytes(frames)
+        self.bytes_received += received.nbytes  # counted as the frames arrived
         return env
 
     def _heartbeat_loop(self) -> None:
