@@ -196,6 +196,17 @@ class PartyMethod(ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         del state
 
+    def version_state(self) -> Mapping[str, Any] | None:
+        """What this party's released values are a function of besides its data, for a model
+        not held in torch modules (VFEM's and ridge's coefficients): name -> array or number.
+        The party's differencing rule (README, rule 5) keys every sum by this version, so
+        leave out what an update may change without changing what the party sends (counters,
+        step sizes, moments used only for rows it lacks): a no-op update must keep the
+        version. None (the default): the version is the digest of the torch modules the
+        method holds; a method with neither keeps one version for the whole session (it then
+        refuses more, never less)."""
+        return None
+
 
 class ActiveMethod(ABC):
     """Active-party stage of a method: holds the labels and drives training."""

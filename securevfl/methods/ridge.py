@@ -94,6 +94,12 @@ class RidgeParty(PartyMethod):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.beta, self.mean, self.sd = (np.asarray(state[k]) for k in ("beta", "mean", "sd"))
 
+    def version_state(self) -> dict[str, Any]:
+        # what `predict` releases is z beta_k (mean and sd are fixed at set-up): the party's
+        # differencing rule keys its sums by beta_k, so a step that leaves it keeps them
+        beta = getattr(self, "beta", None)
+        return {} if beta is None else {"beta": beta}
+
 
 class RidgeActive(ActiveMethod):
     """The intercept, the residuals and the schedule."""

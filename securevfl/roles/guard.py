@@ -343,10 +343,14 @@ class FamilyLog:
 _RAW_DIGEST_VALUES = 1 << 16  # CPU tensors up to this size are hashed byte for byte
 
 
-def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
-    """The version of a party's model: a digest of the parameters and buffers of every torch
-    module the party's method holds (attributes, and lists, tuples or dicts of them); None for
-    a method without one (its updates then count as new versions, as before). Equal weights
+def model_digest(method: Any, *, views: dict | None = None) -> bytes:
+    """The version of a party's model: the digest of what the method declares as its version
+    (`PartyMethod.version_state`: a model not held in torch modules, e.g. VFEM's
+    coefficients); else a digest of the parameters and buffers of every torch module the
+    party's method holds (attributes, and lists, tuples or dicts of them); else one version
+    for the whole session (`_ONE_VERSION`: a method without a model refuses more, never
+    less; it used to start a new version at every update, which let an update that changed
+    nothing clear what the rule had seen). Equal weights
     give equal digests, in any process and with any thread count: a small CPU tensor is hashed
     byte for byte; a large or GPU one by integer sums of its bytes read as integers (exact and
     independent of the order of summation; one device sync for all). Two different weights
@@ -359,6 +363,10 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     is the one it was), with each small CPU tensor's byte view, which aliases its storage and
     so follows in-place updates (used only while the tensor is at the same address, shape,
     dtype and layout; anything else is read again). The digest is the same as without it."""
+    declare = getattr(method, "version_state", None)
+    declared = declare() if callable(declare) else None
+    if declared is not None:
+        return _state_digest(declared)
     from securevfl.lazy import torch
 
     module_type = _module_type()
@@ -377,7 +385,7 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
     for value in vars(method).values():
         visit(value, 0)
     if not found:
-        return None
+        return _ONE_VERSION
     plan = views.get(_PLAN) if views is not None else None
     if plan is None or not plan.holds(found):
         plan = _DigestPlan(found)
@@ -407,6 +415,27 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes | None:
             stats.append(v.sum(dtype=torch.int64))
     if stats:
         h.update(torch.stack(stats).cpu().numpy().tobytes())
+    return h.digest()
+
+
+# the version of a party whose method holds neither torch modules nor a `version_state`:
+# one for the whole session, so its sums are all checked together (it refuses more, never less)
+_ONE_VERSION = hashlib.blake2b(b"securevfl: a model without a declared version").digest()[:16]
+
+
+def _state_digest(state: Mapping[str, Any]) -> bytes:
+    """The digest of a method's `version_state`: each entry's name, dtype, shape and bytes, in
+    name order (equal values give equal digests in any process)."""
+    h = hashlib.blake2b(b"version_state", digest_size=16)
+    for name in sorted(state):
+        value = state[name]
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().cpu().numpy()
+        a = np.ascontiguousarray(np.asarray(value))
+        if a.dtype == object:
+            raise TypeError(f"version_state entry {name!r} is not numeric: {type(value).__name__}")
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
     return h.digest()
 
 
@@ -661,9 +690,9 @@ class CallGuard:
 
     def after(self, call: Any, *, digest: Callable[[], bytes | None] | None = None) -> None:
         """Note a model update: sums after it are of a new model version if the weights changed
-        (`digest()`: their `model_digest`, None when the method holds no torch module: then
-        every update starts a new version). An update that left the weights as they were keeps
-        the version and its sums; one that brought back earlier weights returns to theirs."""
+        (`digest()`: their `model_digest`; None: every update starts a new version). An update
+        that left the weights as they were keeps the version and its sums; one that brought
+        back earlier weights returns to theirs."""
         op = self.spec.operation(call.op)
         if self.families is None or op is None or not op.updates:
             return

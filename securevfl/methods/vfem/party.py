@@ -147,6 +147,13 @@ class BlockRegressionParty(PartyMethod):
     def state_dict(self) -> dict[str, Any]:
         return {} if self.block is None else self.block.state_dict()
 
+    def version_state(self) -> dict[str, Any]:
+        """beta alone: on the rows this party holds its released terms are functions of beta
+        (and of the fixed standardisation); mu and Sigma, which an M-step moves even at step
+        size 0, only enter for rows it lacks, so counting them would let a step that leaves
+        beta where it is open a new version."""
+        return {} if self.block is None else {"beta": self.block.params.beta}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # applied when the active party re-sends 'prepare' after a resume
         self._pending_state = dict(state) if state else None
