@@ -29,6 +29,7 @@ from transport.errors import (
     TransportError,
     quote,
 )
+from transport.hub import RejectionLog
 from transport.sockets import (
     HEARTBEAT_KIND,
     HELLO_KIND,
@@ -73,7 +74,9 @@ class Peer(Endpoint):
     so no other role can take over these connections at the hub (see :class:`Hub`). Incoming
     messages are validated like the hub's (per-message frame count and bytes while they
     arrive; ``sender`` must be the hub's name, kind, dtypes, sizes, session, strictly
-    increasing ``seq``); invalid ones are logged at WARNING, counted in ``rejected`` and dropped.
+    increasing ``seq``); invalid ones are counted in ``rejected`` (exactly) and dropped, and
+    logged as the hub logs its rejections (:class:`transport.hub.RejectionLog`: the first few
+    at WARNING, then the rest at DEBUG with one WARNING a minute that counts them).
     Heartbeats from the hub are consumed silently.
 
     Refusals surface within a second, on the next :meth:`send` or :meth:`recv`: a key that
@@ -134,6 +137,7 @@ class Peer(Endpoint):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rejected = 0
+        self._rejections = RejectionLog(self.logger)
 
         self._keypair = keypair
         self._server_public = server_public
@@ -233,6 +237,7 @@ class Peer(Endpoint):
                 if silent > self.peer_timeout:
                     raise PeerLost(self.hub_name, silent_for=silent, peer_timeout=self.peer_timeout)
                 wake = min(wake, self._last_heard + self.peer_timeout)
+            self._rejections.flush()  # the counts of windows that ended (nothing if none)
             if now >= deadline:
                 heard = (
                     ""
@@ -254,6 +259,7 @@ class Peer(Endpoint):
         if self._closed:
             return
         self._closed = True
+        self._rejections.flush(final=True)
         self._stop.set()
         thread = self._heartbeat_thread
         if thread is not None and thread is not threading.current_thread():
@@ -410,7 +416,7 @@ class Peer(Endpoint):
                 )
         except EnvelopeError as exc:
             self.rejected += 1
-            self.logger.warning("rejected a message from %s: %s", self.hub_name, exc.reason)
+            self._rejections.rejected(self.hub_name, self.hub_name, exc.reason)
             return None
         self._last_seq = env.seq
         self._last_heard = time.monotonic()

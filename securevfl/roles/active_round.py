@@ -6,6 +6,7 @@ the direct path."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from crypto import FixedPointOverflow, SumDidNotCancel
 from securevfl.config import RunConfig
 from securevfl.data.rowarrays import PresenceRows, filter_ids
 from securevfl.errors import RunAborted
@@ -31,6 +33,45 @@ from securevfl.secure_sum import (
     group_allowed,
 )
 from transport import Envelope
+from transport.errors import quote
+
+# a sum's shape in a result: at most this many dimensions (NumPy allows 64)
+MAX_RESULT_DIMS = 32
+
+
+def malformed_result(what: str, problem: str) -> RunAborted:
+    """The stop for a RESULT of `what` that no honest aggregator sends."""
+    return RunAborted(
+        f"the aggregator sent a malformed result for {what}: {problem}; stopping (check that "
+        "the aggregator runs an unmodified securevfl of this version)"
+    )
+
+
+def result_shape(
+    shapes: Mapping[str, Any], arrays: Mapping[str, np.ndarray], key: str, *, what: str
+) -> tuple[int, ...]:
+    """The shape of sum `key` in a result, checked: a list of non-negative ints (no -1) whose
+    product is the size of the sum's array (`arrays`, when the backend sends one array; CKKS
+    chunks are counted against it on decryption). Raises `RunAborted` (`malformed_result`)."""
+    shape = shapes.get(key)
+    if (
+        type(shape) is not list
+        or len(shape) > MAX_RESULT_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise malformed_result(
+            what, f"the shape of sum {key!r} is {quote(shape)}, not a list of non-negative ints"
+        )
+    if not arrays:
+        raise malformed_result(what, f"it carries no tensor for sum {key!r}")
+    size = math.prod(shape)
+    single = arrays.get(key)
+    if single is not None and single.size != size:
+        raise malformed_result(
+            what,
+            f"sum {key!r} has {single.size} values but its shape {shape} says {size}",
+        )
+    return tuple(shape)
 
 
 class PartyLate(PartyDropped):
@@ -302,6 +343,10 @@ class ActiveRound:
             self.stage.waiting()  # e.g. the next reveal's flooding noise, while the sum comes
             result = self.exchange.receive(posted.round, posted.what)
         held, op, what, to = posted.held, posted.op, posted.what, posted.to
+        for listed in ("lost", "late"):  # role names, else the aggregator's result is malformed
+            named = result.meta.get(listed)
+            if named and (type(named) is not list or not all(type(p) is str for p in named)):
+                raise malformed_result(what, f"{listed!r} is {quote(named)}, not a list of roles")
         if result.meta.get("refused"):
             refused = result.meta["refused"]
             raise RunAborted(
@@ -329,18 +374,28 @@ class ActiveRound:
                 "party %s missed the deadline of %s; it stays in the run", late, what
             )
             raise PartyLate(late or [str(p) for p in result.meta["late"]])
-        shapes = result.meta.get("shapes", {})
+        shapes = result.meta.get("shapes")
+        if posted.sums and type(shapes) is not dict:
+            given = "it carries no 'shapes'" if shapes is None else f"'shapes' is {quote(shapes)}"
+            raise malformed_result(what, f"{given}, not a mapping of sum key to shape")
         out = {}
         for spec in posted.sums:
-            out[spec.key] = self.stage.reveal(
-                sum_arrays(result.tensors, spec.key),
-                group=spec.group,
-                key=spec.key,
-                shape=tuple(shapes[spec.key]),
-            )
+            arrays = sum_arrays(result.tensors, spec.key)
+            shape = result_shape(shapes, arrays, spec.key, what=what)
+            try:
+                out[spec.key] = self.stage.reveal(
+                    arrays, group=spec.group, key=spec.key, shape=shape
+                )
+            except (SumDidNotCancel, FixedPointOverflow):
+                raise
+            except (ValueError, TypeError) as exc:  # the tensors do not fit the backend's sum
+                raise malformed_result(what, f"sum {spec.key!r}: {exc}") from None
         for name in posted.collect:
             for party in to:
-                out[f"{name}@{party}"] = result.tensors[f"{name}@{party}"]
+                tensor = result.tensors.get(f"{name}@{party}")
+                if tensor is None:
+                    raise malformed_result(what, f"it lacks {party}'s clear tensor {name!r}")
+                out[f"{name}@{party}"] = tensor
         return out
 
     def flush(self) -> None:

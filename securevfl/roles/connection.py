@@ -7,6 +7,7 @@ import collections
 import logging
 import os
 import socket
+import string
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,24 @@ from transport import (
     ReceiveTimeout,
     TransportError,
 )
-from transport.errors import one_line
+from transport.errors import one_line, quote
+
+_HEX_DIGITS = frozenset(string.hexdigits)
+
+
+def welcome_problem(nonces: Any, session: Any) -> str | None:
+    """What is malformed in a WELCOME's `nonces` (role name -> 32 hex digits, as each role's
+    hello sent it) and `session` (a string), peer text quoted; None when nothing is."""
+    if type(nonces) is not dict:
+        return f"'nonces' is of type {type(nonces).__name__}, not a mapping of role to nonce"
+    for role, nonce in nonces.items():
+        if type(role) is not str:
+            return f"'nonces' has the key {quote(role, 40)}, not a role name"
+        if type(nonce) is not str or len(nonce) != 32 or not set(nonce) <= _HEX_DIGITS:
+            return f"the nonce of role {quote(role, 40)} is {quote(nonce, 40)}, not 32 hex digits"
+    if type(session) is not str:
+        return f"'session' is of type {type(session).__name__}, not a session id string"
+    return None
 
 
 class RoleConnection:
@@ -105,6 +123,12 @@ class RoleConnection:
             raise P.RunAborted(f"expected a welcome from the aggregator, got {env.kind!r}")
         nonces = env.meta.get("nonces", {})
         session = env.meta.get("session")
+        malformed = welcome_problem(nonces, session)
+        if malformed is not None:
+            raise P.RunAborted(
+                f"the aggregator's welcome is malformed: {malformed}; refusing the session "
+                "(check that the aggregator runs an unmodified securevfl of this version)"
+            )
         if nonces.get(self.name) != self.nonce or P.session_id(nonces) != session:
             raise P.RunAborted(
                 "the aggregator's session id does not include this role's fresh nonce; "
