@@ -80,7 +80,8 @@ def test_tabvfl_beats_local_tabnets_on_the_cross_guest_table(tmp_path):
     from securevfl.methods.tabvfl.evaluation import evaluate_latent
     from securevfl.methods.tabvfl.party import tabnet_config
 
-    raw = _synthetic(tmp_path, train={"epochs": 20}, pretrain_epochs=3)
+    # the guests' initial weights as measured (tests only: guest_seed makes them not private)
+    raw = _synthetic(tmp_path, train={"epochs": 20}, pretrain_epochs=3, guest_seed=0)
     cfg = _cfg(raw, tmp_path)
     fed = DirectFederation(cfg, run_dir=tmp_path / "run", record=False)
     metrics = fed.run()
@@ -204,7 +205,8 @@ def test_tabvfl_refuses_active_columns_and_too_narrow_a_latent(tmp_path):
 def test_tabvfl_le_on_mask_is_within_a_point_of_plain(tmp_path):
     """TabVFL-LE on a table whose label is additive over three guests (1200 rows, 3 + 10
     epochs): the secure sums decode to the plain sums within fixed point, and the latent and
-    head weighted F1 stay within 0.01 (measured 0.942 / 0.947 and 0.917 / 0.913)."""
+    head weighted F1 stay within 0.01 (measured 0.942 / 0.947 and 0.917 / 0.913). Both runs
+    draw the guests' encoders from the test-only `guest_seed`, so they train the same model."""
     results = {}
     for aggregation in ("plain", "mask"):
         d = tmp_path / aggregation
@@ -212,7 +214,7 @@ def test_tabvfl_le_on_mask_is_within_a_point_of_plain(tmp_path):
         raw = examples.classification(d, method="tabvfl-le", n=1200)
         raw["run"]["aggregation"] = aggregation
         raw["train"] = {"epochs": 10, "batch_size": 64, "lr": 0.02, "weight_decay": 1e-4}
-        raw["method"] = {**QUICK, "pretrain_epochs": 3}
+        raw["method"] = {**QUICK, "pretrain_epochs": 3, "guest_seed": raw["run"]["seed"]}
         raw["policy"] = {"aggregations": ["plain", "mask"]}
         fed = DirectFederation(_cfg(raw, d), run_dir=d / "run", record=aggregation == "mask")
         results[aggregation] = fed.run()
@@ -243,7 +245,8 @@ def test_tabvfl_le_on_ckks_trains_as_on_plain(tmp_path):
         raw = examples.classification(d, method="tabvfl-le", n=300)
         raw["run"]["aggregation"] = aggregation
         raw["train"] = {"epochs": 2, "batch_size": 100, "lr": 0.02}
-        raw["method"] = {**QUICK, "pretrain_epochs": 1}
+        # the same guest encoders in both runs (tests only: not private)
+        raw["method"] = {**QUICK, "pretrain_epochs": 1, "guest_seed": raw["run"]["seed"]}
         raw["policy"] = {"aggregations": ["plain", "ckks"]}
         if aggregation == "plain":
             results[aggregation] = DirectFederation(
@@ -337,7 +340,8 @@ def test_an_offline_guest_is_served_from_its_cached_output(tmp_path):
 @pytest.mark.slow
 def test_the_cache_beats_zero_filling_at_half_failure_rate(tmp_path):
     """p = 0.5, two guests, batch 128, no early stopping, 10 + 30 epochs, 3 seeds: the mean
-    latent weighted F1 with the cache beats zero filling (bench/tabvfl.py has the curves)."""
+    latent weighted F1 with the cache beats zero filling (bench/tabvfl.py has the curves). Each
+    seed's two runs start from the same guests (the test-only `guest_seed`)."""
     scores: dict[str, list[float]] = {"cache": [], "zeros": []}
     for seed in range(3):
         for fill in scores:
@@ -348,7 +352,13 @@ def test_the_cache_beats_zero_filling_at_half_failure_rate(tmp_path):
                 method="tabvfl",
                 seed=seed,
                 train={"epochs": 30, "batch_size": 128},
-                options={**QUICK, "pretrain_epochs": 10, "failure_p": 0.5, "failure_fill": fill},
+                options={
+                    **QUICK,
+                    "pretrain_epochs": 10,
+                    "failure_p": 0.5,
+                    "failure_fill": fill,
+                    "guest_seed": seed,
+                },
             )
             fed = DirectFederation(_cfg(raw, d), run_dir=d / "run", record=False)
             scores[fill].append(fed.run()["latent_f1"])

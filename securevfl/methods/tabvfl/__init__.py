@@ -3,11 +3,12 @@ parties) and the host (the active party, labels only), as Rashad et al., "TabVFL
 Latent Representation in Vertical Federated Learning" (SRDS 2024); notes
 shared/methods/tabvfl.md; docs/tabvfl.md.
 
-* ``tabvfl``: each guest runs BN + a secret FC layer (d_k -> d_k) on its columns and sends the
-  result h_k **in the clear** to the host, which runs TabNet's encoder and decoder over the
-  concatenation; TabNet's attention selects per column, so the host needs each guest's columns,
-  not a sum over guests: it cannot run on secure sums (``mask``/``ckks`` are refused, pointing
-  to tabvfl-le), and every guest's release policy must name its clear releases
+* ``tabvfl``: each guest runs BN + a secret FC layer (d_k -> d_k; drawn from the guest's own
+  OS-random seed, which no other role holds: `.party`) on its columns and sends the result h_k
+  **in the clear** to the host, which runs TabNet's encoder and decoder over the concatenation;
+  TabNet's attention selects per column, so the host needs each guest's columns, not a sum
+  over guests: it cannot run on secure sums (``mask``/``ckks`` are refused, pointing to
+  tabvfl-le), and every guest's release policy must name its clear releases
   (`TABVFL_CLEAR`). The host keeps each guest's latest output per batch position and serves an
   offline guest from it (simulated failures, ``failure_p``; a guest lost for good).
 * ``tabvfl-le``: each guest runs a complete TabNet encoder; the host needs the step outputs
@@ -88,6 +89,14 @@ class TabNetOptions:
         "downstream classifiers of the latent evaluation (the paper's six, xgboost if installed)",
         choices=CLASSIFIERS,
     )
+    guest_seed: int | None = option(
+        None,
+        "TESTS ONLY, NOT PRIVATE: draw every guest's weights (tabvfl: its secret FC layer) and "
+        "masks from this number, not from the guest's own OS-random seed, so that two runs "
+        "compare; whoever has the config then rebuilds each guest's model, and each guest "
+        "records that in the ledger",
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,13 @@ class TabVFLOptions(TabNetOptions):
 H_WHY = (
     "the guest's per-feature output FC_k(BN_k(x_k)) per row: TabNet's attention selects per "
     "column, so the host needs each guest's own columns, not a sum; protected only by the "
-    "secret FC layer (and embedding DP when configured), not by a secure sum"
+    "secret FC layer (drawn from the guest's own OS-random seed: a linear map with no formal "
+    "guarantee) and embedding DP when configured, not by a secure sum"
+)
+# L_k and dL_k/dr_k leave as computed: the guest's embedding DP noises h only
+NOT_NOISED = (
+    "sent without noise: embedding DP, when configured, noises h only, so its epsilon does "
+    "not cover this release (no formal guarantee)"
 )
 
 OPERATIONS = (
@@ -137,13 +152,14 @@ OPERATIONS = (
             Release(
                 "loss",
                 to="clear",
-                why="L_k, the guest's reconstruction loss of the batch (one number)",
+                why="L_k, the guest's reconstruction loss of the batch (one number), " + NOT_NOISED,
                 per_row=False,
             ),
             Release(
                 "grad_r",
                 to="clear",
-                why="dL_k/dr_k per row: the host backpropagates it through its decoder",
+                why="dL_k/dr_k per row, a function of the guest's own columns on the entries "
+                "it hid (the host backpropagates it through its decoder), " + NOT_NOISED,
             ),
         ),
     ),

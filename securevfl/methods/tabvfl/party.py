@@ -6,11 +6,20 @@ rows arrives, one optimizer per phase (fine-tuning starts with fresh Adam moment
 paper's code), and a copy of its best model of the phase (`keep_best` / `restore_best`). It
 draws its own masks from its own generator; validation masks come from a generator re-seeded
 per call, so early stopping compares epochs on the same masks.
+
+Everything a guest draws (its weights, among them the secret FC layer, its masks, its
+validation masks) comes from one seed of 256 bits that it takes from the operating system's
+CSPRNG at set-up and keeps to itself (its checkpoint holds the seed and the weights, so a resume
+continues with them): the config's seed, which every role holds, plays no part. ``[method]
+guest_seed`` (tests only) replaces it with a number in the config, and the guest then records
+in the ledger that its model is known to whoever has the config.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +28,10 @@ import numpy as np
 from securevfl.lazy import torch
 from securevfl.methods.base import PartyMethod, UnknownOperation
 from securevfl.methods.blocks.nets import make_optimizer
+
+logger = logging.getLogger(__name__)
+
+SEED_BITS = 256  # of a guest's own seed, from the OS CSPRNG
 
 
 def tabnet_config(opts: Any) -> Any:
@@ -93,7 +106,7 @@ class _GuestBase(PartyMethod):
         train = np.asarray(inputs["train_ids"])
         self.scaler = ColumnScaler().fit_table(self.table, self.table.held_ids(train))
         self.cfg = tabnet_config(self.config.options)
-        seed = self.config.seed
+        self.own_seed = seed = self._own_seed()
         self.model = self._build(
             len(self.table.columns),
             init=seeded_generator(seed, self.method_name, "guest", self.name, "init"),
@@ -106,6 +119,25 @@ class _GuestBase(PartyMethod):
         self.best: dict[str, Any] | None = None
         self.pending: tuple[str, np.ndarray, Any] | None = None  # (op, ids, what it kept)
 
+    def _own_seed(self) -> int:
+        """The seed of everything this guest draws: fresh from the OS CSPRNG, so that no other
+        role can rebuild its model from the config; `[method] guest_seed` (tests only) instead,
+        recorded in the ledger as leaving the model unprotected."""
+        fixed = getattr(self.config.options, "guest_seed", None)
+        if fixed is None:
+            return secrets.randbits(SEED_BITS)
+        reason = (
+            f"[method] guest_seed = {fixed}: this guest's weights (its secret FC layer among "
+            "them) and masks are drawn from a seed in the config, so whoever has the config "
+            "rebuilds them and inverts what the guest sends; they protect nothing (for tests "
+            "only)"
+        )
+        logger.warning("%s: %s", self.name, reason)
+        privacy = getattr(self, "privacy", None)
+        if privacy is not None:
+            privacy.record_unprotected_once(what=f"{self.method_name} guest model", reason=reason)
+        return int(fixed)
+
     def _build(self, d_k: int, *, init: Any, masks: Any) -> Any:
         raise NotImplementedError
 
@@ -115,7 +147,7 @@ class _GuestBase(PartyMethod):
     def _valid_masks(self, rows: int, args: Mapping[str, Any]) -> Any:
         from securevfl.methods.tabvfl.tabnet import seeded_generator
 
-        g = seeded_generator(self.config.seed, "valid", self.name, int(args.get("chunk", 0)))
+        g = seeded_generator(self.own_seed, "valid", self.name, int(args.get("chunk", 0)))
         p = torch.full((rows, self.model_width()), self.cfg.pretraining_ratio)
         return torch.bernoulli(p, generator=g).to(self.device)
 
@@ -154,6 +186,7 @@ class _GuestBase(PartyMethod):
             "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
             "scaler": self.scaler.state_dict(),
             "mask_rng": self.model.mask_generator.get_state(),
+            "own_seed": self.own_seed,  # its validation masks after a resume
             "best": self.best,
         }
 
@@ -163,6 +196,8 @@ class _GuestBase(PartyMethod):
             o.load_state_dict(state["optimizers"][k])
         self.scaler.load_state_dict(state["scaler"])
         self.model.mask_generator.set_state(state["mask_rng"])
+        # a checkpoint from before guests drew their own seeds: its run drew all from [run] seed
+        self.own_seed = int(state.get("own_seed", self.config.seed))
         self.best = state["best"]
         self.pending = None
 
