@@ -56,6 +56,7 @@ __all__ = [
 
 MASK_DOMAIN_PREFIX = b"securevfl/mask-domain/v1"
 MASK_CALL_PREFIX = b"securevfl/mask-call/v1"
+MASK_BIND_PREFIX = b"securevfl/mask-bind/v1"
 # One fused chunk: input, output and a keystream chunk stay in L2 cache together.
 MASK_CHUNK_WORDS = 1 << 15
 # Each pending preparation holds 8 bytes per value of the call it prepares.
@@ -459,6 +460,38 @@ class MaskedSumParty:
             if masked is not None:
                 return masked
         return self.mask_many({tensor: x}, round=round, group=group, out=out)[tensor]
+
+    def bind(
+        self, masked: np.ndarray, *, round: int, group: Sequence[str], tensor: str, call: bytes
+    ) -> np.ndarray:
+        """Bind a masked contribution (:meth:`mask`'s output for ``round``, ``group``,
+        ``tensor``) to the call it answers: add, for each of this party's two neighbours in
+        the sorted group taken as a ring (its one other member in a group of two), the pair's
+        keystream from a nonce of the domain and ``call`` (a digest of the whole call this
+        party was sent), added if this party's name sorts first, else subtracted. Returns a
+        new uint64 array of ``masked``'s shape.
+
+        Members sent the same call add streams that cancel in the sum, which stays the sum of
+        the inputs. A member sent another call (another digest) leaves, on each ring edge
+        between members with different digests (there are at least two), the difference of
+        two independent keystreams: the sum is uniformly random in Z_2^64 and tells nothing.
+        So an active party cannot hand the members of one sum different calls (other ids,
+        inputs or arguments for each) and still read the sum. Refuses what :meth:`domain`
+        refuses and a ``call`` that is not 32 bytes."""
+        if not isinstance(call, bytes) or len(call) != 32:
+            raise ValueError("call must be the 32-byte digest of the call being answered")
+        domain = self.domain(round=round, group=group, tensor=tensor)
+        out = np.array(masked, dtype=np.uint64, order="C", copy=True)
+        ring = sorted(domain.group)
+        at = ring.index(self.name)
+        neighbours = dict.fromkeys((ring[at - 1], ring[(at + 1) % len(ring)]))
+        streams = [(self._mask_key(peer), self.name < peer) for peer in neighbours]
+        nonce = stream_nonce(MASK_BIND_PREFIX + length_prefixed(domain.encode()) + call)
+        net = np.empty(out.size, dtype=np.uint64)
+        _net_mask(net, streams, nonce, self._ciphers, np.uint64(0))
+        flat = out.reshape(-1)
+        np.add(flat, net, out=flat)
+        return out
 
     def mask_prepared(
         self, x: np.ndarray, *, round: int, group: Sequence[str], tensor: str

@@ -107,9 +107,18 @@ class PartySumStage(ABC):
 
     @abstractmethod
     def protect(
-        self, x: np.ndarray, *, round: int, group: Sequence[str], key: str
+        self,
+        x: np.ndarray,
+        *,
+        round: int,
+        group: Sequence[str],
+        key: str,
+        call: bytes | None = None,
     ) -> dict[str, np.ndarray]:
-        """Arrays to send for this party's contribution `x` to sum `key` over `group`."""
+        """Arrays to send for this party's contribution `x` to sum `key` over `group`. `call`:
+        the 32-byte digest of the call being answered (`guard.CallGuard.binding`), to which a
+        backend that can binds the contribution, so that the sum opens only if every member
+        was sent the same call (mask: `MaskedSumParty.bind`; plain and ckks cannot)."""
 
     def expect(self, sums: Sequence[tuple[int, Sequence[str], str, int]]) -> None:
         """The sums (round, group, key, number of values) the call now being computed will
@@ -199,7 +208,7 @@ def _check_members(contributions: Mapping[str, object], group: Sequence[str], ke
 class PlainParty(PartySumStage):
     backend = "plain"
 
-    def protect(self, x, *, round, group, key):
+    def protect(self, x, *, round, group, key, call=None):
         # exact: a float32 tensor stays float32, anything else travels as float64
         x = np.asarray(x)
         return {key: np.ascontiguousarray(x if x.dtype == np.float32 else x.astype(np.float64))}
@@ -327,7 +336,7 @@ class MaskParty(PartySumStage):
                 except ValueError:  # e.g. a domain already used: `protect` will say why
                     return
 
-    def protect(self, x, *, round, group, key):
+    def protect(self, x, *, round, group, key, call=None):
         if len(group) == 1:  # explicit min_group = 1 opt-in: nothing to mask against
             return {key: self.encoder.encode(np.asarray(x, dtype=np.float64))}
         # float32 values are encoded as they are (exactly as their float64 copy would be)
@@ -336,6 +345,8 @@ class MaskParty(PartySumStage):
         masked = self.masker.mask(x, round=round, group=group, tensor=key)
         self.ahead_used += self.masker.pending < pending  # it took masks made ahead
         self._note(round, group, key, int(x.size))
+        if call is not None:  # the sum opens only if every member was sent this call
+            masked = self.masker.bind(masked, round=round, group=group, tensor=key, call=call)
         return {key: masked}
 
 
@@ -493,7 +504,7 @@ class CkksParty(PartySumStage):
         self._pool: Any = None
         self._wake: Any = None  # set when the next call comes before the worker's delay ran out
 
-    def protect(self, x, *, round, group, key):
+    def protect(self, x, *, round, group, key, call=None):
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
         peak = self._check_magnitude(flat, group=group, key=key)
         self._join()  # one thread in the context at a time

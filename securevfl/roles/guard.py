@@ -67,6 +67,9 @@ def _digest(array: np.ndarray) -> bytes:
     return h.digest()
 
 
+CALL_BINDING_PREFIX = b"securevfl/call-binding/v1"
+
+
 def call_digest(
     env_meta: Mapping[str, Any], *, session: str, round: int, tensors: Mapping
 ) -> bytes:
@@ -559,6 +562,7 @@ class CallGuard:
         # the model's version (`model_digest`) and what was summed at each (`FamilyLog`)
         self.log: FamilyLog | None = None
         self.version: bytes | None = None
+        self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
         self.first_version: bytes | None = None  # the session's, at set-up
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
@@ -578,9 +582,11 @@ class CallGuard:
         tag = tags.get(self.name) if isinstance(tags, dict) else None
         if session != self.session_hex:
             raise self.refuse("authentication", f"a call of another session ({session[:12]}...)")
-        expected = call_tag(
-            self.key, call_digest(meta, session=session, round=round, tensors=tensors)
-        )
+        covered = call_digest(meta, session=session, round=round, tensors=tensors)
+        expected = call_tag(self.key, covered)
+        # what this party's masked contributions to the call's sums are bound to: the sums
+        # open only if every member was sent this same call (`MaskedSumParty.bind`)
+        self.binding = hashlib.sha256(CALL_BINDING_PREFIX + covered).digest()
         if not isinstance(tag, str) or not hmac.compare_digest(tag, expected):
             raise self.refuse(
                 "authentication",

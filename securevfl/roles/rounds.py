@@ -619,7 +619,13 @@ class PartyRound:
             if self.observe is not None:
                 self.observe(spec, value)
             tensors.update(
-                self.stage.protect(value, round=call.round, group=spec.group, key=spec.key)
+                self.stage.protect(
+                    value,
+                    round=call.round,
+                    group=spec.group,
+                    key=spec.key,
+                    call=self.guard.binding,
+                )
             )
             shapes[spec.key] = list(np.shape(value))
             if rows and np.size(value) % rows == 0:

@@ -100,11 +100,18 @@ class FalseVFLPartyMethod(PartyMethod):
         inputs: Mapping[str, np.ndarray],
         groups: Sequence[tuple[str, ...]],
     ) -> str | None:
-        """A mixed call (input ``present``) must sum over every passive party, mark this party
+        """A mixed call (input ``present``) is refused unless this party's own config says
+        `batching = "mixed"`; it must sum over every passive party, mark this party
         present on exactly the rows it holds and, in secure modes, give every row at least the
         policy's `min_group` present parties (see the module docstring)."""
         if op not in ("encode", "decode") or "present" not in inputs:
             return None
+        if self.config.options.batching != "mixed":
+            return (
+                f"{op}: a mixed call (with per-row presence) while this party's own config says "
+                f"[method] batching = {self.config.options.batching!r}: it agreed to sums over "
+                "the parties present on every row of a batch only"
+            )
         names = list(self.config.party_names)
         present = np.asarray(inputs["present"])
         ids = np.asarray(ids, dtype=np.int64)
