@@ -643,6 +643,8 @@ class CallGuard:
                     "undeclared sum", f"{call.op!r} declares no summed tensor {s.tensor!r}"
                 )
             self._check_group(s.group, s.key)
+        if self.cfg.aggregation != "plain":
+            self._check_call_groups(call, mine)
         if self.families is not None and mine:
             if self.fresh_noise:  # fresh embedding-DP noise per call: only this call's sums
                 self.families.new_version()
@@ -655,6 +657,28 @@ class CallGuard:
                     raise self.refuse("differencing", reason)
                 if self.log is not None and self.version is not None and not self.fresh_noise:
                     self.log.append(self.version, tensor, groups, call.ids)
+
+    def _check_call_groups(self, call: Any, mine: Sequence[Any]) -> None:
+        """Refuse a call whose sums of one tensor this party contributes to, together with the
+        call's other sums of that tensor (those it is not in too: every member of a masked sum
+        was sent this same call, or the sum opens to nothing, `MaskedSumParty.bind`), combine
+        into the contribution of fewer than `min_group` parties: e.g. the pairs {a,b}, {a,c},
+        {b,c} of one call give c = (S_ac + S_bc - S_ab) / 2, though no party is in all three."""
+        tensors = {s.tensor for s in mine}
+        for tensor in tensors:
+            groups = tuple(
+                dict.fromkeys(frozenset(s.group) for s in call.sums if s.tensor == tensor)
+            )
+            if len(groups) < 2:
+                continue
+            isolated = isolating_set(groups, self.policy.min_group)
+            if isolated is not None:
+                shown = " ".join("{" + ",".join(sorted(g)) + "}" for g in groups)
+                raise self.refuse(
+                    "differencing",
+                    f"the call's sums {shown} of tensor {tensor!r} combine into the contribution "
+                    f"of {list(isolated)} alone",
+                )
 
     def check_fused(self, calls: Sequence[Any]) -> None:
         """A fused envelope (several calls run in order) may carry only consecutive calls the
