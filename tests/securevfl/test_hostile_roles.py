@@ -301,13 +301,10 @@ def test_asking_for_a_representation_in_the_clear_is_refused(attacker):
 
 def test_overlapping_groups_in_one_call_are_refused(attacker):
     """{p1,p2,p3} and {p1,p2} over the same rows differ by p3's representation: p1 and p2
-    refuse; p3's answer alone is masked for a group whose other masks never arrive."""
+    refuse, and so does p3, which checks the call's {p1,p2} together with its own sum."""
     sums = everything([SumSpec(key="T", tensor="rep", group=("p1", "p2"))])
     replies = attacker.call("forward", args={"train": False}, sums=sums)
-    refused(replies, "differencing", parties=("p1", "p2"))
-    only = replies["p3"]
-    assert only.kind == P.CONTRIB and set(only.tensors) == {"S"}
-    assert only.tensors["S"].dtype == np.uint64  # ring elements, masked for {p1, p2, p3}
+    refused(replies, "differencing")
 
 
 def test_overlapping_groups_across_calls_of_one_model_version_are_refused(attacker):
@@ -411,6 +408,52 @@ def test_honest_calls_are_still_served_and_only_sums_are_revealed(attacker):
     total = sum(r.tensors["S"] for r in replies.values())  # uint64 wraps: ring addition
     values = FixedPointEncoder(frac_bits=20, bound=2.0**20).decode(total, terms=3)
     assert values.shape == (20, 4) and np.all(np.abs(values) < 100)
+
+
+def test_pairwise_groups_of_one_call_that_isolate_a_party_are_refused(attacker):
+    """{p1,p2}, {p1,p3}, {p2,p3}: no party is in all three, yet p3 = (S13 + S23 - S12) / 2.
+    Each party checks the call's sums of a tensor together, those it is not in too."""
+    sums = [
+        SumSpec(key="A", tensor="rep", group=("p1", "p2")),
+        SumSpec(key="B", tensor="rep", group=("p1", "p3")),
+        SumSpec(key="C", tensor="rep", group=("p2", "p3")),
+    ]
+    replies = attacker.call("forward", ids=attacker.ids[80:100], args={"train": False}, sums=sums)
+    refused(replies, "differencing")
+
+
+def test_members_sent_different_calls_give_a_sum_that_opens_to_nothing(attacker):
+    """A split view: each party gets its own signed call for one round (here p3 other rows
+    than p1 and p2). Every guard admits its call, but each masked contribution is bound to
+    the call its party was sent, so the sum is random ring elements, not p3's rows' values."""
+    from crypto import FixedPointEncoder
+
+    attacker.round += 1
+    replies = {}
+    for party, ids in zip(
+        PARTIES, (attacker.ids[100:110],) * 2 + (attacker.ids[110:120],), strict=True
+    ):
+        env = Call(
+            op="forward",
+            round=attacker.round,
+            session=attacker.session.hex(),
+            ids=ids,
+            args={"train": False},
+            sums=tuple(everything([])),
+            to=PARTIES,
+        ).envelope(sender="aggregator")
+        env.meta["auth"] = call_tags(
+            env.meta,
+            session=attacker.session,
+            round=env.round,
+            tensors=env.tensors,
+            keys=attacker.keys,
+        )
+        replies.update(attacker.send(env, (party,)))
+    assert all(r.kind == P.CONTRIB for r in replies.values())
+    total = sum(r.tensors["S"] for r in replies.values())  # uint64 wraps: ring addition
+    with pytest.raises(ValueError):
+        FixedPointEncoder(frac_bits=20, bound=2.0**20).decode(total, terms=3)
 
 
 def test_every_refusal_is_in_the_parties_logs_and_the_ledger(attacker):
