@@ -19,6 +19,7 @@ import numpy as np
 from securevfl import startup_gc
 from securevfl.config import RunConfig
 from securevfl.data.table import ActiveTable, stratified, train_test_split
+from securevfl.keys import AGGREGATOR
 from securevfl.methods import method_spec
 from securevfl.privacy.audit import audit
 from securevfl.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
@@ -97,7 +98,7 @@ def run_active(
             ctx.history = list(saved.get("history", []))
         train_ids, test_ids, test = train_and_evaluate(ctx, train_ids=train_ids, test_ids=test_ids)
         stats_env = _bye(conn, ctx, cfg)
-        roles = dict(stats_env.meta.get("stats", {}))
+        roles = relayed_stats(stats_env.meta, roles=(*cfg.party_names, AGGREGATOR), logger=logger)
         roles[cfg.active_name] = {
             **conn.stats(),
             "auth_seconds": round(ctx.auth_seconds, 6),
@@ -204,6 +205,35 @@ def _bye(conn: RoleConnection, ctx: ActiveRound, cfg: RunConfig) -> Envelope:
         )
     )
     return conn.recv(timeout=cfg.round_timeout, waiting_for="the roles' final stats")
+
+
+def relayed_stats(meta: Any, *, roles: Sequence[str], logger: logging.Logger) -> dict[str, Any]:
+    """The roles' end-of-run stats as the aggregator relays them, kept for metrics.json only
+    where they are plain JSON data within the bounds a party's own are held to
+    (`aggregator.own_stats`), and only for `roles` (the federation's parties and the
+    aggregator): a modified aggregator cannot break the run's metrics.json with them. What is
+    dropped is logged once, naming the role and the field."""
+    from securevfl.roles.aggregator import STATS_RULE, own_stats
+
+    stats = meta.get("stats") if isinstance(meta, dict) else None
+    if type(stats) is not dict:
+        if stats is not None:
+            logger.warning("the aggregator's final stats are not a mapping; none are kept")
+        return {}
+    kept: dict[str, Any] = {}
+    for role in roles:
+        if role not in stats:
+            continue
+        entry, problems = own_stats(role, {"stats": {role: stats[role]}})
+        kept[role] = entry
+        if problems:
+            logger.warning(
+                "dropped from the stats the aggregator relayed for %s: %s (%s)",
+                role,
+                "; ".join(problems),
+                STATS_RULE,
+            )
+    return kept
 
 
 def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> Path:

@@ -322,3 +322,29 @@ def test_a_tampered_result_is_a_clear_refusal(federation, case):
         except RunAborted as exc:
             assert named in str(exc)
             raise
+
+
+def test_the_active_party_keeps_only_plain_stats_of_known_roles_from_the_aggregator(caplog):
+    """A modified aggregator's final stats cannot break the active party's metrics.json: only
+    the federation's roles are kept, and of each only plain JSON data within the bounds."""
+    import json
+    import logging
+
+    from securevfl.roles.active import relayed_stats
+
+    logger = logging.getLogger("test.active")
+    meta = {
+        "stats": {
+            "alpha": {"rounds": 3, "blob": b"\x00"},
+            "beta": {"lost": True},
+            "mallory": {"rounds": 1},
+            "aggregator": {"seconds": float("nan"), "rounds": 9},
+        }
+    }
+    with caplog.at_level(logging.WARNING, logger="test.active"):
+        kept = relayed_stats(meta, roles=("alpha", "beta", "gamma", "aggregator"), logger=logger)
+    assert kept == {"alpha": {"rounds": 3}, "beta": {"lost": True}, "aggregator": {"rounds": 9}}
+    json.dumps(kept, allow_nan=False)
+    assert any("alpha" in r.message and "blob" in r.message for r in caplog.records)
+    assert relayed_stats({"stats": ["x"]}, roles=("alpha",), logger=logger) == {}
+    assert relayed_stats({}, roles=("alpha",), logger=logger) == {}
