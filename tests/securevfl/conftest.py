@@ -52,6 +52,22 @@ BASE_RAW = {
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Tiny ops (TabNet blocks, FALSE-VFL's small nets): torch's intra-op threads only add
+    contention on a shared 2-core machine (measured ~7 s on one thread against ~120 s on two,
+    under load); the thread count is restored afterwards. Files of such tests use it with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
 def small_federation(tmp_path):
     """(raw config dict, directory) for a 3-party synthetic federation; edit then parse."""
     synthetic_csv(tmp_path / "data.csv")

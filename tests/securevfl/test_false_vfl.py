@@ -36,15 +36,7 @@ FAST = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: torch's intra-op threads only add contention on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def block_csv(path, *, n: int = 400, seed: int = 0, single: float = 0.0) -> None:

@@ -353,18 +353,6 @@ def test_missingness_mechanisms_keep_one_block():
 # ---- (5) learning on digits -------------------------------------------------------------------
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops: torch's intra-op threads only add contention on a shared 2-core machine (measured
-    ~7 s on one thread vs ~120 s on two, under load); restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # ~7 s of one core (1297 training rows, 500 test rows); the full setting is DigitsSettings()
 FAST = DigitsSettings(
     cfg=FalseVFLConfig(
@@ -385,7 +373,7 @@ FAST = DigitsSettings(
 # a quality experiment (20-30 s on 2 cores): `make test-slow`; in CI the fixed-seed results of
 # every method's example are held by tests/securevfl/test_example_goldens.py
 @pytest.mark.slow
-def test_digits_quick_false_vfl_beats_vanilla_under_mcar5(one_thread):
+def test_digits_quick_false_vfl_beats_vanilla_under_mcar5(one_torch_thread):
     res = digits_experiment(
         train_mechanism="mcar5",
         test_mechanisms=("mcar0", "mcar5"),
@@ -404,7 +392,7 @@ def test_digits_quick_false_vfl_beats_vanilla_under_mcar5(one_thread):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_digits_issue_floor_mcar5(one_thread):
+def test_digits_issue_floor_mcar5(one_torch_thread):
     """The issue's floor, single process, full setting: trained under MCAR 5, FALSE-VFL-I beats
     vanilla VFL by >= 5 points at test MCAR 5, and its gap grows from test MCAR 0 to MCAR 5
     (measured at seed 0 with aggregation "mean": FALSE-VFL-I 90.6 / 77.8, vanilla 90.2 / 66.4;
@@ -419,7 +407,7 @@ def test_digits_issue_floor_mcar5(one_thread):
 
 @pytest.mark.slow
 @pytest.mark.timeout(5400)
-def test_digits_issue_floor_mnar7(one_thread):
+def test_digits_issue_floor_mnar7(one_torch_thread):
     """Under MNAR 7 training and test, FALSE-VFL-II >= FALSE-VFL-I - 1 point, averaged over the
     eight seeds the issue was judged on (0-7, fixed before they ran). One seed's II - I spreads
     over several points either way (2026-11-25, this computation: -3.4, -2.6, +1.6, +1.8, -0.6,

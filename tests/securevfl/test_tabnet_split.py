@@ -16,15 +16,7 @@ from securevfl.methods.tabvfl import baselines, evaluation, reference, sparse, s
 REF_REASON = "pytorch-tabnet 4.1.0 not installed: reference comparisons need it"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # tiny TabNet ops: intra-op threads only spin, and on a loaded 2-core box cost ~10x
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ref_modules():

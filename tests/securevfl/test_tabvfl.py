@@ -12,7 +12,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from securevfl.config import ConfigError, parse_config
 from securevfl.direct import DirectFederation
@@ -24,15 +23,7 @@ QUICK = {"patience": 0, "latent_classifiers": ["logistic"]}
 NETWORK = {"heartbeat_interval": 0.2, "peer_timeout": 10.0, "round_timeout": 30.0}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # tiny TabNet ops: intra-op threads only spin, and on a loaded 2-core box cost ~10x
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _synthetic(tmp_path, method="tabvfl", *, train=None, aggregation=None, **options):

@@ -27,14 +27,7 @@ from tests.securevfl.conftest import make_config
 QUICK = {"patience": 0, "latent_classifiers": ["logistic"], "pretrain_epochs": 1}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _federation(tmp_path, **options):
