@@ -584,9 +584,7 @@ class CallGuard:
             raise self.refuse("authentication", f"a call of another session ({session[:12]}...)")
         covered = call_digest(meta, session=session, round=round, tensors=tensors)
         expected = call_tag(self.key, covered)
-        # what this party's masked contributions to the call's sums are bound to: the sums
-        # open only if every member was sent this same call (`MaskedSumParty.bind`)
-        self.binding = hashlib.sha256(CALL_BINDING_PREFIX + covered).digest()
+        self.binding = None
         if not isinstance(tag, str) or not hmac.compare_digest(tag, expected):
             raise self.refuse(
                 "authentication",
@@ -594,6 +592,9 @@ class CallGuard:
                 f"active party {self.cfg.active_name!r} (changed, replayed from elsewhere or "
                 "invented on the way)",
             )
+        # what this party's masked contributions to the call's sums are bound to: the sums
+        # open only if every member was sent this same call (`MaskedSumParty.bind`)
+        self.binding = hashlib.sha256(CALL_BINDING_PREFIX + covered).digest()
 
     def check(self, call: Any) -> None:
         """Refuse (`PolicyRefusal`) a call this party must not answer."""
