@@ -68,6 +68,9 @@ def _digest(array: np.ndarray) -> bytes:
 
 
 CALL_BINDING_PREFIX = b"securevfl/call-binding/v1"
+# the one "row" under which the differencing rule files the sums of a tensor that is not one
+# value per row (`Release.per_row = False`): they are checked together whatever rows a call names
+WHOLE_CALL = np.array([np.iinfo(np.int64).min], dtype=np.int64)
 
 
 def call_digest(
@@ -653,11 +656,15 @@ class CallGuard:
             for s in mine:
                 by_tensor.setdefault(s.tensor, []).append(frozenset(s.group))
             for tensor, groups in by_tensor.items():
-                reason = self.families.admit(tensor, call.ids, groups)
+                # a tensor that is not one value per row (VFEM's shift, dbeta, SEM shares) is
+                # the same whichever rows a call names: all its sums are checked together
+                per_row = op.release_of(tensor).per_row
+                rows = call.ids if per_row else WHOLE_CALL
+                reason = self.families.admit(tensor, rows, groups)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
                 if self.log is not None and self.version is not None and not self.fresh_noise:
-                    self.log.append(self.version, tensor, groups, call.ids)
+                    self.log.append(self.version, tensor, groups, rows)
 
     def _check_call_groups(self, call: Any, mine: Sequence[Any]) -> None:
         """Refuse a call whose sums of one tensor this party contributes to, together with the

@@ -138,3 +138,25 @@ def test_a_method_with_no_model_and_no_declared_version_is_one_version():
     a.counter = 1
     b.counter = 2
     assert model_digest(a) == model_digest(b) is not None
+
+
+def test_a_tensor_not_per_row_is_checked_across_the_rows_calls_name(tmp_path):
+    """VFEM's `shift` ((center/scale)'beta_k, one number a party) does not depend on the rows
+    of the call: its sums over {a,b,c} on some rows and {b,c} on others difference to party
+    a's share. The rule files such a tensor's sums under one row whatever rows a call names."""
+    fed, ids = stepped_federation(tmp_path)
+    half = len(ids) // 2
+
+    def shift_sum(rows, group):
+        fed.call(
+            "design",
+            ids=rows,
+            args={"kind": "complete", "reset": False},
+            to=list(PARTIES),
+            collect=["spectrum"],
+        )
+        return fed.call("shift", ids=rows, sums=[SumSpec(key="s", tensor="shift", group=group)])
+
+    shift_sum(ids[:half], PARTIES)
+    with pytest.raises(PolicyRefusal, match="differencing"):
+        shift_sum(ids[half:], ("b", "c"))
