@@ -566,6 +566,9 @@ class CallGuard:
         self.log: FamilyLog | None = None
         self.version: bytes | None = None
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
+        # which of a call's rows this party holds (its table's `has`, set by its round stage):
+        # the rows it lacks are filed as one (`_filed_rows`)
+        self.holds: Callable[[np.ndarray], np.ndarray] | None = None
         self.first_version: bytes | None = None  # the session's, at set-up
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
@@ -658,13 +661,29 @@ class CallGuard:
             for tensor, groups in by_tensor.items():
                 # a tensor that is not one value per row (VFEM's shift, dbeta, SEM shares) is
                 # the same whichever rows a call names: all its sums are checked together
-                per_row = op.release_of(tensor).per_row
-                rows = call.ids if per_row else WHOLE_CALL
+                rows = self._filed_rows(call.ids, per_row=op.release_of(tensor).per_row)
                 reason = self.families.admit(tensor, rows, groups)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
                 if self.log is not None and self.version is not None and not self.fresh_noise:
                     self.log.append(self.version, tensor, groups, rows)
+
+    def _filed_rows(self, ids: np.ndarray, *, per_row: bool) -> np.ndarray:
+        """The rows the differencing rule files a call's sums of one tensor under: the call's
+        rows this party holds, each on its own; everything else under `WHOLE_CALL`, as one.
+        What a party sends for a row it lacks has no data of that row in it (VFEM's
+        mu_k'beta_k, FALSE-VFL's and vanilla VFL's fill-ins): it is one value per model
+        version whichever row a call names, so two sums over different lacking rows could
+        otherwise difference. A tensor not per row (`Release.per_row = False`) is all one."""
+        if not per_row:
+            return WHOLE_CALL
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.holds is None or not len(ids):
+            return ids
+        held = np.asarray(self.holds(ids), dtype=bool)
+        if held.all():
+            return ids
+        return np.concatenate([ids[held], WHOLE_CALL])
 
     def _check_call_groups(self, call: Any, mine: Sequence[Any]) -> None:
         """Refuse a call whose sums of one tensor this party contributes to, together with the

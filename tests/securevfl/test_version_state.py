@@ -160,3 +160,58 @@ def test_a_tensor_not_per_row_is_checked_across_the_rows_calls_name(tmp_path):
     shift_sum(ids[:half], PARTIES)
     with pytest.raises(PolicyRefusal, match="differencing"):
         shift_sum(ids[half:], ("b", "c"))
+
+
+def test_rows_a_party_lacks_are_one_row_to_the_rule(tmp_path):
+    """On a row a party lacks, VFEM's E-step terms are one constant per version (mu_k'beta_k,
+    beta_k'Sigma_k beta_k). Two E-steps at one version over different rows that no party
+    holds, {a,b,c} then {a,b}, used to pass (each row was seen once) and difference to c's
+    constants; the rule files every row a party lacks as one."""
+    rng = np.random.default_rng(0)
+    n = 80
+    x = rng.normal(size=(n, len(COLS)))
+    y = x @ rng.normal(size=len(COLS)) + 0.1 * rng.normal(size=n)
+    x[[0, 1], :] = np.nan  # two rows with the response only: every block missing
+    x[10:20, 4:] = np.nan  # c lacks some rows
+    write_csv(
+        tmp_path / "data.csv",
+        id_column="ID",
+        ids=np.arange(1, n + 1),
+        columns=COLS,
+        values=x,
+        label="Y",
+        labels=y,
+    )
+    cfg = parse_config(permissive_policy(copy.deepcopy(RAW)), source=tmp_path / "config.toml")
+    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
+    ids = np.sort(fed.train_ids)
+    assert {1, 2} <= set(ids.tolist())
+    fed.call("prepare", ids=ids, args={"intercept": True, "standardize": True}, to=list(PARTIES))
+    design = {"kind": "blocks", "reset": True}
+    fed.call("design", ids=ids, args=design, to=list(PARTIES), collect=["spectrum"])
+    for _ in range(3):
+        e = rng.normal(size=len(ids))
+        fed.call(
+            "mstep", ids=ids, args={"sigma2": 1.0, "eta": 0.3}, inputs={"e": e}, to=list(PARTIES)
+        )
+    held = ids[ids > 2]
+    d1 = np.sort(np.concatenate([[1], held[: len(held) // 2]]))
+    d2 = np.sort(np.concatenate([[2], held[len(held) // 2 :]]))
+
+    def estep(rows, group):
+        fed.call(
+            "design",
+            ids=rows,
+            args={"kind": "blocks", "reset": False},
+            to=list(PARTIES),
+            collect=["spectrum"],
+        )
+        sums = [
+            SumSpec(key="m", tensor="m", group=group),
+            SumSpec(key="q", tensor="q", group=group),
+        ]
+        return fed.call("estep", ids=rows, sums=sums)
+
+    estep(d1, PARTIES)
+    with pytest.raises(PolicyRefusal, match="differencing"):
+        estep(d2, ("a", "b"))
