@@ -34,13 +34,14 @@ RAW = {
 }
 
 
-def stepped_federation(tmp_path):
-    """A VFEM federation after set-up, a design and two M-steps and a revert, driven by a
-    modified active party (its real keys, any call it likes)."""
+def vfem_federation(tmp_path, *, n: int, missing=None):
+    """A VFEM federation (mask, parties a, b, c) on `n` rows of a linear model; `missing`
+    blanks cells of the table first; prepared on its training rows."""
     rng = np.random.default_rng(0)
-    n = 60
     x = rng.normal(size=(n, len(COLS)))
     y = x @ rng.normal(size=len(COLS)) + 0.1 * rng.normal(size=n)
+    if missing is not None:
+        missing(x)
     write_csv(
         tmp_path / "data.csv",
         id_column="ID",
@@ -52,8 +53,16 @@ def stepped_federation(tmp_path):
     )
     cfg = parse_config(permissive_policy(copy.deepcopy(RAW)), source=tmp_path / "config.toml")
     fed = DirectFederation(cfg, run_dir=tmp_path / "run")
-    ids = fed.train_ids
+    ids = np.sort(fed.train_ids)
     fed.call("prepare", ids=ids, args={"intercept": True, "standardize": True}, to=list(PARTIES))
+    return fed, ids
+
+
+def stepped_federation(tmp_path):
+    """A VFEM federation after set-up, a design and two M-steps and a revert, driven by a
+    modified active party (its real keys, any call it likes)."""
+    fed, ids = vfem_federation(tmp_path, n=60)
+    rng = np.random.default_rng(0)
     fed.call(
         "design",
         ids=ids,
@@ -167,26 +176,14 @@ def test_rows_a_party_lacks_are_one_row_to_the_rule(tmp_path):
     beta_k'Sigma_k beta_k). Two E-steps at one version over different rows that no party
     holds, {a,b,c} then {a,b}, used to pass (each row was seen once) and difference to c's
     constants; the rule files every row a party lacks as one."""
-    rng = np.random.default_rng(0)
-    n = 80
-    x = rng.normal(size=(n, len(COLS)))
-    y = x @ rng.normal(size=len(COLS)) + 0.1 * rng.normal(size=n)
-    x[[0, 1], :] = np.nan  # two rows with the response only: every block missing
-    x[10:20, 4:] = np.nan  # c lacks some rows
-    write_csv(
-        tmp_path / "data.csv",
-        id_column="ID",
-        ids=np.arange(1, n + 1),
-        columns=COLS,
-        values=x,
-        label="Y",
-        labels=y,
-    )
-    cfg = parse_config(permissive_policy(copy.deepcopy(RAW)), source=tmp_path / "config.toml")
-    fed = DirectFederation(cfg, run_dir=tmp_path / "run")
-    ids = np.sort(fed.train_ids)
+
+    def blank(x):
+        x[[0, 1], :] = np.nan  # two rows with the response only: every block missing
+        x[10:20, 4:] = np.nan  # c lacks some rows
+
+    fed, ids = vfem_federation(tmp_path, n=80, missing=blank)
+    rng = np.random.default_rng(1)
     assert {1, 2} <= set(ids.tolist())
-    fed.call("prepare", ids=ids, args={"intercept": True, "standardize": True}, to=list(PARTIES))
     design = {"kind": "blocks", "reset": True}
     fed.call("design", ids=ids, args=design, to=list(PARTIES), collect=["spectrum"])
     for _ in range(3):
