@@ -29,7 +29,6 @@ from transport.errors import (
     TransportError,
     quote,
 )
-from transport.hub import RejectionLog
 from transport.sockets import (
     HEARTBEAT_KIND,
     HELLO_KIND,
@@ -38,6 +37,7 @@ from transport.sockets import (
     RESERVED_KINDS,
     Endpoint,
     Received,
+    RejectionLog,
     check_endpoint,
     check_kinds,
     check_timeout,
@@ -75,7 +75,7 @@ class Peer(Endpoint):
     messages are validated like the hub's (per-message frame count and bytes while they
     arrive; ``sender`` must be the hub's name, kind, dtypes, sizes, session, strictly
     increasing ``seq``); invalid ones are counted in ``rejected`` (exactly) and dropped, and
-    logged as the hub logs its rejections (:class:`transport.hub.RejectionLog`: the first few
+    logged as the hub logs its rejections (:class:`transport.sockets.RejectionLog`: the first few
     at WARNING, then the rest at DEBUG with one WARNING a minute that counts them).
     Heartbeats from the hub are consumed silently.
 

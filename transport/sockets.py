@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import re
 import secrets
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -299,3 +301,123 @@ class Endpoint:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# rejected messages: the first few per sender at WARNING, then one count per window (an
+# allowlisted peer can send thousands of tiny invalid messages a second)
+REJECT_LOG_WINDOW_S = 60.0
+REJECT_LOG_BURST = 5
+# senders tracked one by one; any more share one count (names are peer text on inproc)
+_REJECT_LOG_MAX_SENDERS = 256
+
+
+class _Rejections:
+    """One sender's rejections in the current log window."""
+
+    __slots__ = ("window_end", "warned", "suppressed", "since", "last")
+
+    def __init__(self) -> None:
+        self.window_end = -math.inf
+        self.warned = 0
+        self.suppressed = 0
+        self.since = 0.0
+        self.last = ""
+
+
+class RejectionLog:
+    """The log of rejected messages, rate-limited per sender: the first ``burst`` rejections of
+    a sender in a window of ``window_s`` seconds are logged at WARNING with their reason, the
+    rest at DEBUG; once the window is over, one WARNING says how many were rejected since and
+    the last reason (at the sender's next rejection or at :meth:`flush`, which the hub and the
+    peer call while they wait, and with ``final=True`` when they close). While a sender keeps
+    being rejected it gets that one line per window; after a window with no rejection beyond
+    its burst it gets its burst again. Nothing is done for accepted messages; a rejection
+    costs a dict look-up and one log call. At most ``_REJECT_LOG_MAX_SENDERS`` senders are
+    tracked one by one; any more share one count."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        window_s: float | None = None,
+        burst: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.window_s = REJECT_LOG_WINDOW_S if window_s is None else float(window_s)
+        self.burst = REJECT_LOG_BURST if burst is None else int(burst)
+        self._clock = clock
+        self._senders: dict[str | None, _Rejections] = {}
+        self._suppressed = 0  # rejections at DEBUG not yet summed up in a WARNING, all senders
+
+    def rejected(self, sender: str | None, who: str, reason: str) -> None:
+        """Log one rejected message from ``sender`` (the authenticated role, None when none
+        could be told), described in the line as ``who``, refused for ``reason``."""
+        known = sender in self._senders or len(self._senders) < _REJECT_LOG_MAX_SENDERS
+        key = sender if known else None
+        state = self._senders.get(key)
+        if state is None:
+            state = self._senders[key] = _Rejections()
+        now = self._clock()
+        if now >= state.window_end:
+            self._next_window(key, state, now)
+        if state.warned < self.burst:
+            state.warned += 1
+            if state.warned < self.burst:
+                self.logger.warning("rejected a message from %s: %s", who, reason)
+            else:
+                self.logger.warning(
+                    "rejected a message from %s: %s (more rejections from %s are logged at "
+                    "DEBUG, with a count every %.0f s)",
+                    who,
+                    reason,
+                    self._name(key),
+                    self.window_s,
+                )
+            return
+        if not state.suppressed:
+            state.since = now
+        state.suppressed += 1
+        state.last = reason
+        self._suppressed += 1
+        self.logger.debug("rejected a message from %s: %s", who, reason)
+
+    def flush(self, *, final: bool = False) -> None:
+        """Say how many rejections were logged at DEBUG for each sender whose window is over
+        (every sender if ``final``). Costs nothing while there are none."""
+        if not self._suppressed:
+            return
+        now = self._clock()
+        for key, state in self._senders.items():
+            if not state.suppressed:
+                continue
+            if final:
+                self._summarize(key, state, now)
+            elif now >= state.window_end:
+                self._next_window(key, state, now)
+
+    def _next_window(self, key: str | None, state: _Rejections, now: float) -> None:
+        # a sender still rejected beyond its burst gets its count and stays quiet; one that
+        # was not gets its burst again
+        state.warned = self.burst if state.suppressed else 0
+        self._summarize(key, state, now)
+        state.window_end = now + self.window_s
+
+    def _summarize(self, key: str | None, state: _Rejections, now: float) -> None:
+        if not state.suppressed:
+            return
+        self.logger.warning(
+            "rejected %d more message%s from %s in the last %.0f s (logged at DEBUG); the "
+            "last one: %s",
+            state.suppressed,
+            "" if state.suppressed == 1 else "s",
+            self._name(key),
+            max(now - state.since, 0.0),
+            state.last,
+        )
+        self._suppressed -= state.suppressed
+        state.suppressed = 0
+
+    @staticmethod
+    def _name(key: str | None) -> str:
+        return "unidentified senders" if key is None else key

@@ -210,11 +210,9 @@ def _bye(conn: RoleConnection, ctx: ActiveRound, cfg: RunConfig) -> Envelope:
 def relayed_stats(meta: Any, *, roles: Sequence[str], logger: logging.Logger) -> dict[str, Any]:
     """The roles' end-of-run stats as the aggregator relays them, kept for metrics.json only
     where they are plain JSON data within the bounds a party's own are held to
-    (`aggregator.own_stats`), and only for `roles` (the federation's parties and the
+    (`protocol.plain_stats_fields`), and only for `roles` (the federation's parties and the
     aggregator): a modified aggregator cannot break the run's metrics.json with them. What is
     dropped is logged once, naming the role and the field."""
-    from securevfl.roles.aggregator import STATS_RULE, own_stats
-
     stats = meta.get("stats") if isinstance(meta, dict) else None
     if type(stats) is not dict:
         if stats is not None:
@@ -224,14 +222,13 @@ def relayed_stats(meta: Any, *, roles: Sequence[str], logger: logging.Logger) ->
     for role in roles:
         if role not in stats:
             continue
-        entry, problems = own_stats(role, {"stats": {role: stats[role]}})
-        kept[role] = entry
+        kept[role], problems = P.plain_stats_fields(stats[role])
         if problems:
             logger.warning(
                 "dropped from the stats the aggregator relayed for %s: %s (%s)",
                 role,
                 "; ".join(problems),
-                STATS_RULE,
+                P.STATS_RULE,
             )
     return kept
 

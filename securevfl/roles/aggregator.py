@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import threading
@@ -34,56 +33,10 @@ from transport.errors import one_line, quote
 # the rest of the run even by a method that readmits late parties (it is hung, not slow)
 LATE_ROUNDS_TO_DROP = 3
 
-# what a party's end-of-run stats may hold (they go into the active party's metrics.json):
-# plain JSON data, nested this deep at most, this many values in all, strings this long
-STATS_MAX_DEPTH = 4
-STATS_MAX_VALUES = 2048
-STATS_MAX_STRING = 256
-STATS_RULE = (
-    "a party's stats hold plain JSON data only: numbers, booleans, null, strings of at most "
-    f"{STATS_MAX_STRING} characters, and lists and mappings (string keys) of them, "
-    f"{STATS_MAX_DEPTH} levels deep and {STATS_MAX_VALUES} values in all at most"
-)
-_STATS_SCALARS = (bool, int, float, str, type(None))
-
-
-def plain_stats_problem(value: Any, *, depth: int, budget: list[int]) -> str | None:
-    """Why `value` is not plain JSON data within the stats bounds, at nesting `depth`, with
-    `budget[0]` values left (decremented); None when it is."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        return f"more than {STATS_MAX_VALUES} values in all"
-    kind = type(value)
-    if kind in _STATS_SCALARS:
-        if kind is int and not -(2**63) <= value < 2**64:
-            return "an integer beyond 64 bits"
-        if kind is float and not math.isfinite(value):
-            return f"a non-finite number ({value})"
-        if kind is str and len(value) > STATS_MAX_STRING:
-            return f"a string of {len(value)} characters"
-        return None
-    if kind is not list and kind is not dict:
-        return f"a {kind.__name__} value"
-    if depth >= STATS_MAX_DEPTH:
-        return f"nesting deeper than {STATS_MAX_DEPTH} levels"
-    if kind is list:
-        for item in value:
-            problem = plain_stats_problem(item, depth=depth + 1, budget=budget)
-            if problem is not None:
-                return problem
-        return None
-    for key, item in value.items():
-        if type(key) is not str or len(key) > STATS_MAX_STRING:
-            return f"the key {quote(key, 40)}, not a short string"
-        problem = plain_stats_problem(item, depth=depth + 1, budget=budget)
-        if problem is not None:
-            return f"{quote(key, 40)}: {problem}"
-    return None
-
 
 def own_stats(party: str, meta: Any) -> tuple[dict[str, Any], list[str]]:
     """What the aggregator takes from `party`'s STATS meta: its own entry only, only the fields
-    that are plain JSON data within the bounds (`STATS_RULE`); and what it dropped, one
+    that are plain JSON data within the bounds (`protocol.STATS_RULE`); and what it dropped, one
     problem each (peer text quoted). Another role's entry is always dropped: a party speaks
     only for itself."""
     stats = meta.get("stats") if isinstance(meta, dict) else None
@@ -95,24 +48,8 @@ def own_stats(party: str, meta: Any) -> tuple[dict[str, Any], list[str]]:
         shown = ", ".join(quote(key, 40) for key in others[:3])
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         problems.append(f"entries for other roles ({shown}{more}): a party speaks for itself")
-    entry = stats.get(party)
-    if type(entry) is not dict:
-        problems.append(f"its own entry is of type {type(entry).__name__}, not a mapping")
-        return {}, problems
-    kept: dict[str, Any] = {}
-    budget = [STATS_MAX_VALUES]
-    for key, value in entry.items():
-        if type(key) is not str or len(key) > STATS_MAX_STRING:
-            problems.append(f"the field {quote(key, 40)} (its name is not a short string)")
-            continue
-        left = budget[0]
-        problem = plain_stats_problem(value, depth=1, budget=budget)
-        if problem is not None:
-            budget[0] = left  # what is dropped does not count
-            problems.append(f"the field {quote(key, 40)} ({problem})")
-            continue
-        kept[key] = value
-    return kept, problems
+    kept, dropped = P.plain_stats_fields(stats.get(party))
+    return kept, problems + dropped
 
 
 def failure_of(env: Envelope) -> P.RunAborted:
@@ -616,7 +553,7 @@ class Aggregator:
                 reply.sender,
                 one_line(shown),
                 more,
-                STATS_RULE,
+                P.STATS_RULE,
             )
         return kept
 

@@ -545,7 +545,10 @@ class CallGuard:
         session: bytes,
         keypair: MaskingKeyPair,
         active_public: bytes,
+        holds: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
+        """`holds`: which of a call's rows this party holds (its table's `has`); the rows it
+        lacks are filed as one (`_filed_rows`)."""
         self.cfg = cfg
         self.name = name
         self.spec = spec
@@ -566,9 +569,7 @@ class CallGuard:
         self.log: FamilyLog | None = None
         self.version: bytes | None = None
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
-        # which of a call's rows this party holds (its table's `has`, set by its round stage):
-        # the rows it lacks are filed as one (`_filed_rows`)
-        self.holds: Callable[[np.ndarray], np.ndarray] | None = None
+        self.holds = holds
         self.first_version: bytes | None = None  # the session's, at set-up
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 # the roles' exit statuses and their stop, re-exported (the table lives in securevfl.errors)
 from securevfl.errors import EXIT_BUDGET as EXIT_BUDGET
@@ -29,6 +31,7 @@ from securevfl.errors import EXIT_PEER_LOST as EXIT_PEER_LOST
 from securevfl.errors import EXIT_REFUSED as EXIT_REFUSED
 from securevfl.errors import EXIT_USAGE as EXIT_USAGE
 from securevfl.errors import RunAborted as RunAborted
+from transport.errors import quote
 
 HELLO = "join"
 WELCOME = "session"
@@ -113,3 +116,73 @@ def announce_endpoint(endpoint: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(endpoint + "\n")
     os.replace(tmp, path)
+
+
+# what a role's end-of-run stats may hold (they go into the active party's metrics.json):
+# plain JSON data, nested this deep at most, this many values in all, strings this long
+STATS_MAX_DEPTH = 4
+STATS_MAX_VALUES = 2048
+STATS_MAX_STRING = 256
+STATS_RULE = (
+    "a role's stats hold plain JSON data only: numbers, booleans, null, strings of at most "
+    f"{STATS_MAX_STRING} characters, and lists and mappings (string keys) of them, "
+    f"{STATS_MAX_DEPTH} levels deep and {STATS_MAX_VALUES} values in all at most"
+)
+_STATS_SCALARS = (bool, int, float, str, type(None))
+
+
+def plain_stats_problem(value: Any, *, depth: int, budget: list[int]) -> str | None:
+    """Why `value` is not plain JSON data within the stats bounds, at nesting `depth`, with
+    `budget[0]` values left (decremented); None when it is."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return f"more than {STATS_MAX_VALUES} values in all"
+    kind = type(value)
+    if kind in _STATS_SCALARS:
+        if kind is int and not -(2**63) <= value < 2**64:
+            return "an integer beyond 64 bits"
+        if kind is float and not math.isfinite(value):
+            return f"a non-finite number ({value})"
+        if kind is str and len(value) > STATS_MAX_STRING:
+            return f"a string of {len(value)} characters"
+        return None
+    if kind is not list and kind is not dict:
+        return f"a {kind.__name__} value"
+    if depth >= STATS_MAX_DEPTH:
+        return f"nesting deeper than {STATS_MAX_DEPTH} levels"
+    if kind is list:
+        for item in value:
+            problem = plain_stats_problem(item, depth=depth + 1, budget=budget)
+            if problem is not None:
+                return problem
+        return None
+    for key, item in value.items():
+        if type(key) is not str or len(key) > STATS_MAX_STRING:
+            return f"the key {quote(key, 40)}, not a short string"
+        problem = plain_stats_problem(item, depth=depth + 1, budget=budget)
+        if problem is not None:
+            return f"{quote(key, 40)}: {problem}"
+    return None
+
+
+def plain_stats_fields(entry: Any) -> tuple[dict[str, Any], list[str]]:
+    """The fields of one role's stats `entry` that are plain JSON data within the bounds
+    (`STATS_RULE`; what is dropped does not count against them), and what was dropped, one
+    problem each (peer text quoted)."""
+    if type(entry) is not dict:
+        return {}, [f"its own entry is of type {type(entry).__name__}, not a mapping"]
+    kept: dict[str, Any] = {}
+    problems = []
+    budget = [STATS_MAX_VALUES]
+    for key, value in entry.items():
+        if type(key) is not str or len(key) > STATS_MAX_STRING:
+            problems.append(f"the field {quote(key, 40)} (its name is not a short string)")
+            continue
+        left = budget[0]
+        problem = plain_stats_problem(value, depth=1, budget=budget)
+        if problem is not None:
+            budget[0] = left
+            problems.append(f"the field {quote(key, 40)} ({problem})")
+            continue
+        kept[key] = value
+    return kept, problems

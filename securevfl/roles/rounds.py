@@ -286,9 +286,8 @@ class PartyRound:
             session=session,
             keypair=mask_keypair,
             active_public=mask_publics[cfg.active_name],
+            holds=method.table.has,
         )
-        table = getattr(method, "table", None)
-        self.guard.holds = None if table is None else table.has
         self.run_dir = Path(run_dir)
         self.ledger = ledger
         self.logger = logger

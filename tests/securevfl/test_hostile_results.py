@@ -21,8 +21,9 @@ from securevfl.errors import RunAborted
 from securevfl.inproc import run_federation
 from securevfl.methods import SumSpec
 from securevfl.roles import protocol as P
-from securevfl.roles.aggregator import STATS_MAX_STRING, STATS_MAX_VALUES, Aggregator
+from securevfl.roles.aggregator import Aggregator
 from securevfl.roles.connection import RoleConnection
+from securevfl.roles.protocol import STATS_MAX_STRING, STATS_MAX_VALUES
 from tests.securevfl.conftest import BASE_RAW, permissive_policy, synthetic_csv
 from transport import Envelope, ReceiveTimeout
 

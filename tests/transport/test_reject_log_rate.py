@@ -1,4 +1,4 @@
-"""The log of rejected messages is rate-limited per sending role (`transport.hub.RejectionLog`):
+"""The log of rejected messages is rate-limited per sending role (`transport.sockets.RejectionLog`):
 an allowlisted peer that floods the hub (or a hub that floods a peer) with invalid messages
 gets a few WARNING lines, then one count a window; `rejected` stays exact and honest
 messages are still served."""
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-import transport.hub
+import transport.sockets
 from tests.transport.transport_testkit import wait_until
 from transport import Envelope
-from transport.hub import REJECT_LOG_BURST, RejectionLog
+from transport.sockets import REJECT_LOG_BURST, RejectionLog
 
 FLOOD = 2000
 
@@ -154,6 +154,6 @@ def test_each_sender_has_its_own_burst_and_the_senders_kept_are_bounded(log, cap
         for _ in range(4):
             rejections.rejected(name, name, "bad")
     assert levels(caplog).count("WARNING") == 6
-    for i in range(transport.hub._REJECT_LOG_MAX_SENDERS + 50):
+    for i in range(transport.sockets._REJECT_LOG_MAX_SENDERS + 50):
         rejections.rejected(f"r{i}", f"r{i}", "bad")
-    assert len(rejections._senders) <= transport.hub._REJECT_LOG_MAX_SENDERS + 1
+    assert len(rejections._senders) <= transport.sockets._REJECT_LOG_MAX_SENDERS + 1
