@@ -31,7 +31,6 @@ from securevfl.errors import EXIT_PEER_LOST as EXIT_PEER_LOST
 from securevfl.errors import EXIT_REFUSED as EXIT_REFUSED
 from securevfl.errors import EXIT_USAGE as EXIT_USAGE
 from securevfl.errors import RunAborted as RunAborted
-from transport.errors import quote
 
 HELLO = "join"
 WELCOME = "session"
@@ -134,6 +133,9 @@ _STATS_SCALARS = (bool, int, float, str, type(None))
 def plain_stats_problem(value: Any, *, depth: int, budget: list[int]) -> str | None:
     """Why `value` is not plain JSON data within the stats bounds, at nesting `depth`, with
     `budget[0]` values left (decremented); None when it is."""
+    from transport.errors import quote  # not at import: the role commands import this module
+    # before they set their threads, and `transport` imports NumPy
+
     budget[0] -= 1
     if budget[0] < 0:
         return f"more than {STATS_MAX_VALUES} values in all"
@@ -169,6 +171,8 @@ def plain_stats_fields(entry: Any) -> tuple[dict[str, Any], list[str]]:
     """The fields of one role's stats `entry` that are plain JSON data within the bounds
     (`STATS_RULE`; what is dropped does not count against them), and what was dropped, one
     problem each (peer text quoted)."""
+    from transport.errors import quote  # see `plain_stats_problem`
+
     if type(entry) is not dict:
         return {}, [f"its own entry is of type {type(entry).__name__}, not a mapping"]
     kept: dict[str, Any] = {}
