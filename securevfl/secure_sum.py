@@ -117,8 +117,11 @@ class PartySumStage(ABC):
     ) -> dict[str, np.ndarray]:
         """Arrays to send for this party's contribution `x` to sum `key` over `group`. `call`:
         the 32-byte digest of the call being answered (`guard.CallGuard.binding`), to which a
-        backend that can binds the contribution, so that the sum opens only if every member
-        was sent the same call (mask: `MaskedSumParty.bind`; plain and ckks cannot)."""
+        secure backend binds the contribution, so that a sum whose members were sent different
+        calls does not open. mask: cryptographically (`MaskedSumParty.bind`: the sum is random
+        ring elements); ckks: the binding travels with the ciphertexts and the aggregator,
+        which must not collude with the key holder anyway, adds only a group whose bindings
+        are all equal (`CkksAggregator.combine_accepted`). plain cannot."""
 
     def expect(self, sums: Sequence[tuple[int, Sequence[str], str, int]]) -> None:
         """The sums (round, group, key, number of values) the call now being computed will
@@ -466,11 +469,32 @@ CKKS_IDLE_DELAY_S = _prep_delay(0.0)
 _MAX_IDLE_ZEROS = 64
 
 
+#: The name, after ``<key>/``, of the binding a CKKS contribution carries next to its
+#: ciphertext chunks ``<key>/0``, ``<key>/1``, ...: not a number, so never a chunk's name.
+CKKS_BINDING = "call"
+#: bytes of a binding: a SHA-256 digest of the call answered (`guard.CallGuard.binding`)
+CKKS_BINDING_BYTES = 32
+#: The binding of a contribution made without a call (a unit use of the stage, no guard): a
+#: value distinct from every call's digest, so it never passes for a bound member's. In a run
+#: a party always has its call's (the guard sets it when the call authenticates, before any
+#: operation computes; set-up and checkpoint calls have no sums).
+CKKS_UNBOUND = bytes(CKKS_BINDING_BYTES)
+
+
+def _binding_name(key: str) -> str:
+    return f"{key}/{CKKS_BINDING}"
+
+
+def _is_index(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
 def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]:
     prefix = f"{key}/"
-    names = sorted((n for n in arrays if n.startswith(prefix)), key=lambda n: int(n[len(prefix) :]))
-    if not names or len(names) != len(arrays):
+    numbered = [n for n in arrays if n.startswith(prefix) and _is_index(n[len(prefix) :])]
+    if not numbered or len(numbered) != len(arrays):
         raise ContributionError(f"{who} sent tensors {sorted(arrays)[:5]} for CKKS sum {key!r}")
+    names = sorted(numbered, key=lambda n: int(n[len(prefix) :]))
     if [int(n[len(prefix) :]) for n in names] != list(range(len(names))):
         raise ContributionError(f"{who}: CKKS chunks of {key!r} are not numbered 0..n-1")
     return [arrays[n].tobytes() for n in names]
@@ -478,6 +502,26 @@ def _chunks(arrays: Mapping[str, np.ndarray], key: str, who: str) -> list[bytes]
 
 def _chunk_arrays(key: str, chunks: Sequence[bytes]) -> dict[str, np.ndarray]:
     return {f"{key}/{i}": np.frombuffer(c, dtype=np.uint8) for i, c in enumerate(chunks)}
+
+
+def _binding_array(call: bytes | None) -> np.ndarray:
+    """What a CKKS party sends as the binding of the call it answers (`CKKS_BINDING`)."""
+    binding = CKKS_UNBOUND if call is None else bytes(call)
+    if len(binding) != CKKS_BINDING_BYTES:
+        raise ValueError(
+            f"a call binding is {CKKS_BINDING_BYTES} bytes (the call's SHA-256 digest), "
+            f"not {len(binding)}"
+        )
+    return np.frombuffer(binding, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class CkksAccepted:
+    """One member's checked contribution to a CKKS sum: its loaded ciphertext chunks and the
+    binding of the call it answered."""
+
+    chunks: list[Any]
+    binding: bytes
 
 
 class CkksParty(PartySumStage):
@@ -505,6 +549,10 @@ class CkksParty(PartySumStage):
         self._wake: Any = None  # set when the next call comes before the worker's delay ran out
 
     def protect(self, x, *, round, group, key, call=None):
+        """The ciphertext chunks ``key/0``, ``key/1``, ... and, as ``key/call``, the binding of
+        the call answered (`CKKS_UNBOUND` without one): the aggregator adds the group only if
+        every member's is the same. Refuses a `call` that is not 32 bytes."""
+        binding = _binding_array(call)  # before any work: a bad binding is the caller's bug
         flat = np.asarray(x, dtype=np.float64).reshape(-1)
         peak = self._check_magnitude(flat, group=group, key=key)
         self._join()  # one thread in the context at a time
@@ -512,7 +560,7 @@ class CkksParty(PartySumStage):
         self._used += len(packed.chunks)
         if self.zeros == "thread":
             self._prepare(flat.size)
-        return _chunk_arrays(key, packed.chunks)
+        return {**_chunk_arrays(key, packed.chunks), _binding_name(key): binding}
 
     def _check_magnitude(self, flat: np.ndarray, *, group: Sequence[str], key: str) -> float:
         """Refuse a contribution whose values a sum of ``len(group)`` such contributions could
@@ -652,21 +700,53 @@ class CkksAggregator(AggregatorSumStage):
         self.public = CkksPublic(context_bytes=s.ckks_public_context)
 
     def accept(self, arrays, *, key, sender):
+        """Check one contribution: its ciphertext chunks (`CkksPublic.load_contribution`) and
+        the binding of the call its sender answered (``key/call``: exactly 32 uint8 values).
+        Returns a `CkksAccepted`; raises ContributionError naming the sender."""
         from crypto.ckks import CkksError
 
+        arrays = dict(arrays)
+        binding = arrays.pop(_binding_name(key), None)
+        if binding is None:
+            raise ContributionError(
+                f"{sender}: CKKS contribution to {key!r} carries no binding of the call it "
+                f"answers ({_binding_name(key)!r})"
+            )
+        binding = np.asarray(binding)
+        if binding.dtype != np.uint8 or binding.shape != (CKKS_BINDING_BYTES,):
+            raise ContributionError(
+                f"{sender}: the call binding of its CKKS contribution to {key!r} is "
+                f"{binding.dtype} of shape {binding.shape}, not {CKKS_BINDING_BYTES} uint8 values"
+            )
         try:
-            return self.public.load_contribution(_chunks(arrays, key, sender))
+            chunks = self.public.load_contribution(_chunks(arrays, key, sender))
         except CkksError as exc:
             raise ContributionError(
                 f"{sender}: rejected CKKS contribution to {key!r}: {exc}"
             ) from None
+        return CkksAccepted(chunks=chunks, binding=binding.tobytes())
 
     def combine_accepted(self, accepted, *, group, key):
+        """Add the group's contributions, if every member answered the same call (rule 6:
+        equal bindings); otherwise refuse (ContributionError naming the sum and who was sent
+        which call): nothing is added, so nothing can be forwarded."""
         from crypto.ckks import CkksError
 
         _check_members(accepted, group, key)
+        calls: dict[bytes, list[str]] = {}
+        for p in sorted(accepted):
+            calls.setdefault(accepted[p].binding, []).append(p)
+        if len(calls) > 1:
+            views = "; ".join(
+                f"{members} call {binding[:4].hex()}..." for binding, members in calls.items()
+            )
+            raise ContributionError(
+                f"sum {key!r}: the active party sent the members of one sum different calls "
+                f"({views}): a split view, which can isolate a member's contribution; nothing "
+                "is summed or forwarded"
+            )
         try:
-            total = self.public.add_loaded([accepted[p] for p in sorted(accepted)])
+            total = self.public.add_loaded([accepted[p].chunks for p in sorted(accepted)])
         except CkksError as exc:
             raise ContributionError(f"sum {key!r}: {exc}") from None
         return _chunk_arrays(key, total.chunks)

@@ -70,7 +70,7 @@ def test_ckks_aggregator_rejects_truncated_and_garbage_frames(ckks_stages):
     holder, party, agg = ckks_stages
     x = np.linspace(-1, 1, 10000)
     good = party.protect(x, round=1, group=["a", "b"], key="S")
-    assert set(good) == {"S/0", "S/1"}
+    assert set(good) == {"S/0", "S/1", "S/call"}  # two chunks and the call they answer
     truncated = dict(good, **{"S/0": good["S/0"][: len(good["S/0"]) // 2]})
     with pytest.raises(secure_sum.ContributionError, match="rejected CKKS contribution"):
         agg.accept(truncated, key="S", sender="b")
