@@ -108,6 +108,7 @@ method = "splitnn"
 aggregation = "{aggregation}"
 seed = {self.seed}
 min_group = 2
+shared_init = true  # compared with an uninterrupted run: one initial model
 
 [data]
 path = "data.csv"

@@ -107,7 +107,15 @@ def config_raw(
     """Split-NN (hidden [64], width 16, Adam 1e-3) on `ds`, the parties accepting every mode (a
     benchmark of plain against the secure modes)."""
     return {
-        "run": {"method": "splitnn", "aggregation": aggregation, "seed": seed, "device": device},
+        # shared_init: the parties' initial encoders from [run] seed, as the centralised
+        # reference builds them (`encoder_of`), so both train the same model
+        "run": {
+            "method": "splitnn",
+            "aggregation": aggregation,
+            "seed": seed,
+            "device": device,
+            "shared_init": True,
+        },
         "data": {
             "path": str(Path(ds.path).resolve()),
             "id": ds.id,
@@ -373,7 +381,8 @@ def active_split(cfg: Any, files: Mapping[str, Path]) -> tuple[Any, Any, Any, An
 
 
 def encoder_of(cfg: Any, table: Any, party: str) -> Any:
-    """A party's encoder of the benchmark model, seeded as the roles seed it."""
+    """A party's encoder of the benchmark model, seeded as the roles seed it (`[run]
+    shared_init = true` in `config_raw`)."""
     from securevfl.methods.blocks.nets import derived_seed, mlp
 
     return mlp(

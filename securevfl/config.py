@@ -116,6 +116,10 @@ class RunConfig:
     # roles started together on one machine (run, predict, demo) pinned one core each,
     # round-robin (`securevfl.threads`); false leaves their placement to the system
     pin_cores: bool = True
+    # each passive party's initial weights from `seed` (tests and benchmarks that compare
+    # against a model built from the config): whoever has the config then knows them; false,
+    # the default, has each party draw its own seed from the OS (`PartyMethod.init_seed`)
+    shared_init: bool = False
     # [data]
     data_path: Path = Path("data.csv")
     id_column: str = "ID"
@@ -302,6 +306,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             "transport",
             "threads",
             "pin_cores",
+            "shared_init",
         },
     )
     d = _Section(
@@ -372,6 +377,7 @@ def parse_config(raw: Mapping[str, Any], *, source: Path | None = None) -> RunCo
             None if r.raw("threads") is None else r.integer("threads", 1, minimum=1, maximum=1024)
         ),
         pin_cores=r.boolean("pin_cores", D.pin_cores),
+        shared_init=r.boolean("shared_init", D.shared_init),
         data_path=_resolve(base, d.string("path", None, required=True)),
         id_column=d.string("id", D.id_column),
         label=d.string("label", D.label),

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import logging
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +26,11 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from securevfl.methods.options import NoOptions, parse_options
+
+logger = logging.getLogger(__name__)
+
+#: bits of the seed a passive party draws for its initial weights (`PartyMethod.init_seed`)
+INIT_SEED_BITS = 256
 
 if TYPE_CHECKING:
     import torch
@@ -159,6 +166,37 @@ class PartyMethod(ABC):
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:
         """Prepare for training (the active party sends e.g. the training row ids)."""
         del args, inputs  # optional hook
+
+    def init_seed(self) -> int:
+        """The seed this party's initial weights are drawn from (its models built at set-up
+        derive theirs from it, `derived_seed(self.init_seed(), ...)`): 256 bits from the OS
+        CSPRNG, drawn once per process and told to nobody. Weights drawn from the config's
+        `[run] seed` are known to every role that holds the config: the active party could
+        then rebuild the party's first model and invert the first sums it receives (a linear
+        encoder wider than the party's columns gives its rows back), and, knowing those rows
+        and the gradients it sent, follow the model through training. A resumed run loads its
+        weights from the checkpoint, so it needs no seed. `[run] shared_init = true` (tests
+        and benchmarks that compare against a model built from the config) uses `[run] seed`
+        instead and records in the ledger that the initial model protects nothing."""
+        seed = getattr(self, "_init_seed", None)
+        if seed is not None:
+            return seed
+        if not getattr(self.config, "shared_init", False):
+            seed = secrets.randbits(INIT_SEED_BITS)
+        else:
+            seed = int(self.config.seed)
+            reason = (
+                f"[run] shared_init = true: {self.name}'s initial weights are drawn from "
+                f"[run] seed = {seed}, which every role holds, so the active party can rebuild "
+                "its first model and invert what it sends before training has moved it (for "
+                "tests and benchmarks that compare against a model built from the config)"
+            )
+            logger.warning("%s: %s", self.name, reason)
+            privacy = getattr(self, "privacy", None)
+            if privacy is not None:
+                privacy.record_unprotected_once(what=f"{self.name} initial model", reason=reason)
+        self._init_seed = seed
+        return seed
 
     @abstractmethod
     def handle(

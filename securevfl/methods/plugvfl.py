@@ -39,7 +39,7 @@ class PlugVFLParty(BlockParty):
 
     def build_model(self, model: str) -> Any:
         cfg = self.config
-        seed = derived_seed(cfg.seed, self.method_name, model, self.name)
+        seed = derived_seed(self.init_seed(), self.method_name, model, self.name)
         return _plug_model(self.input_width(), cfg, seed)
 
 

@@ -76,7 +76,7 @@ class SplitNNParty(PartyMethod):
         train_ids = inputs["train_ids"]
         self.scaler = Standardizer().fit_table(self.table, self.table.held_ids(train_ids))
         keep_codes(self.scaler, self.table)  # categorical codes ([categorical] embedding) as is
-        seed = derived_seed(self.config.seed, "encoder", self.name)
+        seed = derived_seed(self.init_seed(), "encoder", self.name)
         self.encoder = with_embeddings(
             self.table,
             self.config,

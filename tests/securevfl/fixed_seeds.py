@@ -1,8 +1,11 @@
 """For tests that compare two runs of one config (plain and mask, in memory and streamed, cpu and
-cuda, a run and its recorded goldens): a method whose parties draw their models from their own
-OS-random seeds (TabVFL's and TabVFL-LE's guests) declares a test-only ``[method] guest_seed``;
-these runs set it, which makes those models reproducible and not private (each guest says so in
-the ledger). Every other test runs the guests as deployed."""
+cuda, fused and unfused, a run and its recorded goldens, a resumed run and an uninterrupted one):
+every passive party draws its initial weights from a seed of its own, taken from the OS
+(`PartyMethod.init_seed`; TabVFL's and TabVFL-LE's guests also their masks, from ``[method]
+guest_seed``'s OS-random default). These runs set ``[run] shared_init = true`` and, where the
+method declares it, the test-only ``[method] guest_seed``, which make those models reproducible
+from the config and not private (each party says so in the ledger). Every other test runs the
+parties as deployed."""
 
 from __future__ import annotations
 
@@ -12,10 +15,12 @@ from typing import Any
 from securevfl.methods import method_spec
 
 
-def fixed_guest_seeds(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` with ``[method] guest_seed`` = the run's seed where its method declares that
-    option (unchanged otherwise, and where the test set one already)."""
-    spec = method_spec(raw.get("run", {}).get("method", "splitnn"))
+def fixed_seeds(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with ``[run] shared_init = true``, and ``[method] guest_seed`` = the run's seed
+    where its method declares that option (a value the test set already is kept)."""
+    run = raw.setdefault("run", {})
+    run.setdefault("shared_init", True)
+    spec = method_spec(run.get("method", "splitnn"))
     if "guest_seed" in {f.name for f in dataclasses.fields(spec.options)}:
-        raw.setdefault("method", {}).setdefault("guest_seed", raw["run"].get("seed", 0))
+        raw.setdefault("method", {}).setdefault("guest_seed", run.get("seed", 0))
     return raw

@@ -26,13 +26,14 @@ from tests.securevfl.conftest import (
     synthetic_csv,
     write_toml,
 )
+from tests.securevfl.fixed_seeds import fixed_seeds
 from tests.securevfl.test_pipeline import failing_method  # noqa: F401 (a fixture)
 
 PARTIES = ("alpha", "beta", "gamma")
 
 
 def raw_config(tmp_path: Path, *, aggregation: str = "mask", colocated: bool, epochs: int = 2):
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # colocated and apart compared
     raw["run"]["aggregation"] = aggregation
     raw["train"].update({"epochs": epochs, "batch_size": 32})
     raw["network"]["aggregator_in_active"] = colocated

@@ -15,7 +15,7 @@ from securevfl import inproc
 from securevfl.config import parse_config
 from securevfl.methods import method_names, method_spec
 from tests.securevfl.conftest import permissive_policy
-from tests.securevfl.fixed_seeds import fixed_guest_seeds
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU torch can see")
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a G
 def _metrics(tmp_path, name: str, device: str) -> dict:
     directory = tmp_path / f"{name}-{device}"
     directory.mkdir(parents=True)
-    raw = fixed_guest_seeds(method_spec(name).example(directory))  # cpu and cuda compared
+    raw = fixed_seeds(method_spec(name).example(directory))  # cpu and cuda compared
     raw.setdefault("run", {}).update(device=device, transport="inproc")
     if name in ("local", "ensemble"):  # their sums are over one party: plain only
         raw["run"]["aggregation"] = "plain"

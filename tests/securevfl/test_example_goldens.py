@@ -57,9 +57,9 @@ def run_example(name: str, directory: Path) -> dict[str, Any]:
     from securevfl.config import parse_config
     from securevfl.direct import DirectFederation
     from tests.securevfl.conftest import permissive_policy
-    from tests.securevfl.fixed_seeds import fixed_guest_seeds
+    from tests.securevfl.fixed_seeds import fixed_seeds
 
-    raw = fixed_guest_seeds(method_spec(name).example(directory))
+    raw = fixed_seeds(method_spec(name).example(directory))
     raw.setdefault("run", {}).update(aggregation="plain")
     cfg = parse_config(permissive_policy(raw), source=directory / "config.toml")
     threads = torch.get_num_threads()

@@ -17,6 +17,7 @@ from securevfl.config import ConfigError
 from securevfl.data.table import write_csv
 from securevfl.direct import DirectFederation
 from tests.securevfl.conftest import make_config, securevfl_cli, write_toml
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 PARTIES = ("p0", "p1", "p2", "p3")
 FAST = {
@@ -67,16 +68,19 @@ def block_csv(path, *, n: int = 400, seed: int = 0, single: float = 0.0) -> None
 
 def raw_config(directory, *, aggregation: str = "plain", single: float = 0.0, **options) -> dict:
     block_csv(directory / "data.csv", single=single)
-    return {
-        "run": {"method": "false-vfl", "aggregation": aggregation, "seed": 3, "min_group": 2},
-        "data": {"path": "data.csv", "task": "binary", "test_fraction": 0.5},
-        "active": {"columns": []},
-        "parties": {
-            p: {"columns": [f"X{2 * k + 1}", f"X{2 * k + 2}"]} for k, p in enumerate(PARTIES)
-        },
-        "missing": {"labeled": 80, "aligned": 20},
-        "method": {**FAST, **options},
-    }
+    # fixed_seeds: most tests here compare two runs, or a run and the reference, of one seed
+    return fixed_seeds(
+        {
+            "run": {"method": "false-vfl", "aggregation": aggregation, "seed": 3, "min_group": 2},
+            "data": {"path": "data.csv", "task": "binary", "test_fraction": 0.5},
+            "active": {"columns": []},
+            "parties": {
+                p: {"columns": [f"X{2 * k + 1}", f"X{2 * k + 2}"]} for k, p in enumerate(PARTIES)
+            },
+            "missing": {"labeled": 80, "aligned": 20},
+            "method": {**FAST, **options},
+        }
+    )
 
 
 def federation(tmp_path, name: str, raw: dict) -> DirectFederation:

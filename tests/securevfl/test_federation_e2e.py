@@ -23,14 +23,17 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory):
-    """The embedded demo, trained with plain, mask and ckks (same seed); the plain reference as
-    threads of one process (the same bits as processes, as bench/chaos.py checks)."""
+    """The embedded demo, trained with plain, mask and ckks (same seed, `[run] shared_init`);
+    the plain reference as threads of one process (the same bits as processes, as
+    bench/chaos.py checks)."""
     out = {}
     for aggregation in ("plain", "mask", "ckks"):
         d = tmp_path_factory.mktemp(f"demo-{aggregation}")
         config = prepare_demo(d, aggregation=aggregation)
         inproc = ["--set", 'run.transport="inproc"'] if aggregation == "plain" else []
-        done = securevfl_cli("run", str(config), "--out", str(d / "run"), *inproc)
+        # the three runs are compared: every party's initial model from the run's seed
+        shared = ["--set", "run.shared_init=true"]
+        done = securevfl_cli("run", str(config), "--out", str(d / "run"), *inproc, *shared)
         assert done.returncode == 0, done.stderr
         out[aggregation] = (json.loads((d / "run" / "metrics.json").read_text()), done, d)
     return out

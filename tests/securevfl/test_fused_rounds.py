@@ -19,6 +19,7 @@ from securevfl.roles import protocol as P
 from securevfl.roles.guard import call_tags
 from securevfl.roles.rounds import AHEAD, Call, calls_of, first_round, fuse
 from tests.securevfl.conftest import BASE_RAW, make_config, synthetic_csv
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 PARTIES = ("alpha", "beta", "gamma")
 
@@ -26,7 +27,7 @@ PARTIES = ("alpha", "beta", "gamma")
 def config(
     tmp_path, *, fuse_rounds: bool, aggregation: str = "mask", epochs: int = 2, batch: int = 64
 ):
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # fused and unfused compared
     raw["run"]["aggregation"] = aggregation
     raw["train"]["epochs"] = epochs
     raw["train"]["batch_size"] = batch

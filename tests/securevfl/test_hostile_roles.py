@@ -592,7 +592,8 @@ def test_an_abort_reason_from_the_hub_cannot_forge_log_lines(attacker):
 
 def test_model_versions_and_sessions_hold_against_a_modified_active_party(tmp_path):
     """Two sessions of one federation (one set of parties' disks), the second a fresh start
-    with the same seed, so its model starts at the first one's initial weights.
+    with the same seed and `[run] shared_init = true`, so its model starts at the first one's
+    initial weights (by default each session's parties draw their own: another version).
 
     1. A backward with a zero gradient (Adam's first step then moves nothing) is no new model
        version: the same rows over fewer parties would difference to p3's representation
@@ -605,7 +606,11 @@ def test_model_versions_and_sessions_hold_against_a_modified_active_party(tmp_pa
        and round fails authentication (its tags were made under the old session's keys)."""
     rows = np.arange(1, 41, dtype=np.int64)
     pair = [SumSpec(key="S", tensor="rep", group=("p1", "p2"))]
-    first = Attacker(tmp_path)
+
+    def shared(raw):
+        raw["run"]["shared_init"] = True
+
+    first = Attacker(tmp_path, edit=shared)
     try:
         assert all(r.kind == P.CONTRIB for r in first.setup().values())
         kept: list = []
@@ -633,7 +638,7 @@ def test_model_versions_and_sessions_hold_against_a_modified_active_party(tmp_pa
         assert all(r.kind == P.CONTRIB for r in after.values()), after
     finally:
         first.close()
-    second = Attacker(tmp_path, again=True)
+    second = Attacker(tmp_path, again=True, edit=shared)
     try:
         assert second.session != first.session
         assert all(r.kind == P.CONTRIB for r in second.setup().values())

@@ -419,7 +419,8 @@ def test_plain_and_mask_runs_agree(tmp_path):
     for aggregation in ("plain", "mask"):
         d = tmp_path / aggregation
         d.mkdir()
-        cfg = block_config(d, aggregation=aggregation, epochs=2, run={"min_group": 1})
+        run = {"min_group": 1, "shared_init": True}  # two runs compared: one initial model
+        cfg = block_config(d, aggregation=aggregation, epochs=2, run=run)
         out[aggregation] = DirectFederation(cfg, run_dir=d / "run").run()
     assert out["mask"]["accuracy"] == pytest.approx(out["plain"]["accuracy"], abs=0.02)
 

@@ -16,6 +16,7 @@ from crypto.masking import MaskedSumAggregator
 from securevfl.config import ConfigError
 from securevfl.secure_sum import MaskActive, MaskParty, SumSession, masks_ahead
 from tests.securevfl.conftest import BASE_RAW, make_config, synthetic_csv
+from tests.securevfl.fixed_seeds import fixed_seeds
 from tests.securevfl.test_aggregator_in_active import PARTIES, encoders
 
 NAMES = ("p1", "p2", "p3")
@@ -113,7 +114,7 @@ def test_the_switch_reads_0_or_1_and_names_itself_otherwise(monkeypatch):
 def test_masks_made_ahead_train_the_same_model_and_are_used(tmp_path, monkeypatch):
     from securevfl.inproc import run_federation
 
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # two runs compared
     raw["run"]["aggregation"] = "mask"
     raw["train"].update({"epochs": 2, "batch_size": 32})
     synthetic_csv(tmp_path / "data.csv", n=300)

@@ -22,16 +22,16 @@ from securevfl.direct import DirectFederation
 from securevfl.methods import method_names, method_spec
 from securevfl.roles.checkpoint import load_checkpoint, save_checkpoint
 from tests.securevfl.conftest import permissive_policy
-from tests.securevfl.fixed_seeds import fixed_guest_seeds
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 NAMES = [n for n in method_names() if method_spec(n).example is not None]
 
 
-def example_config(name, directory, *, fixed_seeds=False, **run):
+def example_config(name, directory, *, reproducible=False, **run):
     directory.mkdir(parents=True, exist_ok=True)
     raw = method_spec(name).example(directory)
-    if fixed_seeds:  # two runs compared: every party's model from the run's seed (tests only)
-        fixed_guest_seeds(raw)
+    if reproducible:  # two runs compared: every party's model from the run's seed (tests only)
+        fixed_seeds(raw)
     raw.setdefault("run", {}).update(run)
     return parse_config(permissive_policy(raw), source=directory / "config.toml")
 
@@ -52,7 +52,7 @@ def test_mask_decodes_what_plain_computes(name, tmp_path):
         return
     for aggregation in ("plain", "mask"):
         cfg = example_config(
-            name, tmp_path / aggregation, fixed_seeds=True, aggregation=aggregation, min_group=1
+            name, tmp_path / aggregation, reproducible=True, aggregation=aggregation, min_group=1
         )
         fed = DirectFederation(cfg, run_dir=tmp_path / aggregation / "run")
         stats = [

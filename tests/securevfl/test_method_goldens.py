@@ -87,7 +87,8 @@ def _regression_csv(path: Path, *, n: int = 400) -> list:
 def case_config(method: str, aggregation: str, directory: Path) -> dict[str, Any]:
     """The raw (TOML-shaped) config of one case; data written into `directory`."""
     raw: dict[str, Any] = {
-        "run": {"method": method, "aggregation": aggregation, "seed": 3},
+        # goldens recorded from the run's seed: every party's initial model from it
+        "run": {"method": method, "aggregation": aggregation, "seed": 3, "shared_init": True},
         "network": dict(NETWORK),
     }
     if method in REGRESSION_METHODS:

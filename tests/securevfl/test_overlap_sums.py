@@ -14,13 +14,14 @@ import crypto.masking as masking
 from securevfl.config import ConfigError
 from securevfl.roles.rounds import overlaps_sums
 from tests.securevfl.conftest import BASE_RAW, make_config, synthetic_csv
+from tests.securevfl.fixed_seeds import fixed_seeds
 from tests.securevfl.test_aggregator_in_active import PARTIES, encoders
 
 
 def test_overlapped_keystreams_train_the_same_model_and_are_used(tmp_path, monkeypatch):
     from securevfl.inproc import run_federation
 
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # two runs compared
     raw["run"]["aggregation"] = "mask"
     raw["train"].update({"epochs": 2, "batch_size": 32})
     synthetic_csv(tmp_path / "data.csv", n=300)

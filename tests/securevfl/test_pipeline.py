@@ -23,6 +23,7 @@ from securevfl.methods.splitnn import SplitNNActive, SplitNNParty
 from securevfl.roles.guard import call_tags
 from securevfl.roles.rounds import Call, fuse
 from tests.securevfl.conftest import BASE_RAW, make_config, synthetic_csv
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 PARTIES = ("alpha", "beta", "gamma")
 
@@ -36,7 +37,7 @@ def config(
     aggregation: str = "mask",
     **network,
 ):
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # runs of several depths compared
     raw["run"]["aggregation"] = aggregation
     raw["train"].update({"epochs": epochs, "batch_size": batch})
     if depth is not None:

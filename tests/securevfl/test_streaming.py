@@ -63,6 +63,7 @@ def config(directory: Path, *, stream: bool | str, method: str = "laser", **run)
             "method": method,
             "aggregation": "mask",
             "seed": 0,
+            "shared_init": True,  # streamed and in-memory runs compared: one initial model
             "transport": "inproc",
             **run,
         },

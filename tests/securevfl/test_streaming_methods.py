@@ -27,7 +27,7 @@ from securevfl.methods.false_vfl.active import FalseVFLActiveMethod
 from securevfl.methods.tabvfl import schedule as tabvfl_schedule
 from securevfl.roles.active_round import ActiveRound
 from tests.securevfl.conftest import permissive_policy
-from tests.securevfl.fixed_seeds import fixed_guest_seeds
+from tests.securevfl.fixed_seeds import fixed_seeds
 from tests.securevfl.test_streaming_active import small_blocks  # noqa: F401 (a fixture)
 
 BATCH = 16
@@ -90,7 +90,7 @@ def reads(monkeypatch):
 
 def _config(directory: Path, name: str, *, stream: bool, edit=None):
     directory.mkdir(parents=True, exist_ok=True)
-    raw = fixed_guest_seeds(method_spec(name).example(directory))  # two runs compared
+    raw = fixed_seeds(method_spec(name).example(directory))  # two runs compared
     raw["data"]["stream"] = stream
     raw.setdefault("run", {})["transport"] = "inproc"
     raw.setdefault("train", {})["batch_size"] = BATCH

@@ -63,7 +63,7 @@ class BlockParty(PartyMethod):
             self.input_width(),
             cfg.hidden,
             cfg.width,
-            seed=derived_seed(cfg.seed, self.method_name, model, self.name),
+            seed=derived_seed(self.init_seed(), self.method_name, model, self.name),
         )
 
     def input_width(self) -> int:
@@ -77,7 +77,7 @@ class BlockParty(PartyMethod):
         """`build_model`'s model behind the embeddings of the table's code columns (if any)."""
         from securevfl.methods.blocks.embedding import with_embeddings
 
-        seed = derived_seed(self.config.seed, self.method_name, model, self.name)
+        seed = derived_seed(self.init_seed(), self.method_name, model, self.name)
         return with_embeddings(self.table, self.config, self.build_model(model), seed=seed)
 
     def setup(self, *, args: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> None:

@@ -57,7 +57,7 @@ class FalseVFLPartyMethod(PartyMethod):
         self.model = FalseVFLParty(
             len(self.table.columns),
             self.model_cfg,
-            seed=derived_seed(self.config.seed, METHOD),
+            seed=derived_seed(self.init_seed(), METHOD),
             name=self.name,
         ).to(self.device)
         self.optimizer = torch.optim.Adam(
