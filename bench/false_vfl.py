@@ -229,6 +229,7 @@ def raw_config(
             "aggregation": aggregation,
             "seed": job["seed"],
             "min_group": 2,
+            "shared_init": True,  # a benchmark: reproducible from its seed
         },
         **copy.deepcopy(job["sections"]),
         "active": {"columns": []},

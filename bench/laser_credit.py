@@ -143,6 +143,7 @@ def build_config(job: dict[str, Any], run_dir: Path):
             "method": job["method"],
             "aggregation": job["aggregation"],
             "seed": job["seed"],
+            "shared_init": True,  # a benchmark: reproducible from its seed
             "transport": "inproc",
             "min_group": job.get("min_group", 2),
         },

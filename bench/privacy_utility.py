@@ -37,7 +37,8 @@ def credit_config(
     *, data: Path, seed: int, epochs: int, eps: float, clip: float, batch_size: int, lr: float
 ) -> dict:
     raw = {
-        "run": {"method": "splitnn", "aggregation": "plain", "seed": seed},
+        # shared_init: a benchmark, reproducible from its seed
+        "run": {"method": "splitnn", "aggregation": "plain", "seed": seed, "shared_init": True},
         # the label-DP sweep runs plain (what the parties receive does not depend on it)
         "policy": {"aggregations": ["plain"]},
         "data": {
