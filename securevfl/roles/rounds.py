@@ -712,11 +712,19 @@ class AggregatorRound:
         tensors: dict[str, np.ndarray] = {}
         shapes: dict[str, Any] = {}
         for spec in call.sums:
-            party_shapes = {
-                tuple(_shape_of(replies[p], spec.key)) for p in spec.group if p in replies
-            }
-            if len(party_shapes) != 1:
-                raise RunAborted(f"sum {spec.key!r}: parties sent different shapes {party_shapes}")
+            by_shape: dict[tuple[int, ...], list[str]] = {}
+            for p in spec.group:
+                if p in replies:
+                    by_shape.setdefault(tuple(_shape_of(replies[p], spec.key)), []).append(p)
+            if len(by_shape) != 1:
+                sent = "; ".join(f"{members} {list(shape)}" for shape, members in by_shape.items())
+                raise RunAborted(
+                    f"round {call.round}, sum {spec.key!r}: its members sent contributions of "
+                    f"different shapes ({sent}): a party's method or data differs from the "
+                    "others' (check that every role runs the same config and code); resume "
+                    "from the last checkpoint once it is fixed"
+                )
+            party_shapes = set(by_shape)
             try:
                 tensors.update(
                     self.stage.combine_accepted(accepted[spec.key], group=spec.group, key=spec.key)

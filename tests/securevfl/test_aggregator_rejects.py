@@ -90,3 +90,33 @@ def test_ckks_aggregator_rejects_truncated_and_garbage_frames(ckks_stages):
     active = secure_sum.CkksActive(agg.s, key_holder=holder)
     out = active.reveal(total, group=["a", "b"], key="S", shape=(10000,))
     assert np.allclose(out, x + y, atol=1e-5)
+
+
+def test_a_member_of_another_shape_stops_the_run_naming_it(monkeypatch, small_federation):
+    """A contribution of the right type but another shape than its sum's other members' cannot
+    be added: the run stops (resumable), and the error names the sum, which member sent which
+    shape, and what to check."""
+    raw, d = small_federation
+    raw["train"]["epochs"] = 1
+    original_send = RoleConnection.send
+
+    def reshaped_send(self, env):
+        shapes = env.meta.get("shapes") if env.kind == P.CONTRIB else None
+        if self.name == "beta" and shapes:
+            meta = dict(env.meta, shapes={k: [1, *v] for k, v in shapes.items()})
+            env = type(env)(
+                kind=env.kind,
+                sender=env.sender,
+                session=env.session,
+                round=env.round,
+                tensors=env.tensors,
+                meta=meta,
+            )
+        original_send(self, env)
+
+    monkeypatch.setattr(RoleConnection, "send", reshaped_send)
+    code, _ = run_federation(make_config(raw, d), out=d / "run")
+    assert code != 0
+    log = (d / "run" / "logs" / "aggregator.log").read_text()
+    assert "contributions of different shapes" in log, log[-2000:]
+    assert "['beta'] [1," in log and "resume from the last checkpoint" in log
