@@ -128,6 +128,7 @@ columns = ["X3", "X4"]
 
 [policy]
 aggregations = ["plain", "mask", "ckks"]
+config_seeds = true  # shared_init
 
 {privacy}[train]
 epochs = {self.epochs}

@@ -81,7 +81,7 @@ LABELS = {
 DEFAULT_CREDIT_ROWS = 3000  # the main table's Credit subsample
 DEFAULT_SEEDS = (0, 1, 2)  # the main table's seeds
 ENGINE = {"false1": "false-vfl", "false2": "false-vfl", "vanilla": "vanilla-vfl"}
-POLICY = {"aggregations": ["plain", "mask", "ckks"], "min_group": 2}
+POLICY = {"aggregations": ["plain", "mask", "ckks"], "min_group": 2, "config_seeds": True}
 
 
 def false_vfl_options(quick: bool) -> dict[str, Any]:

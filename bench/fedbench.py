@@ -124,7 +124,7 @@ def config_raw(
             "test_fraction": test_fraction,
         },
         "active": {"columns": []},
-        "policy": {"aggregations": ["plain", "mask", "ckks"]},
+        "policy": {"aggregations": ["plain", "mask", "ckks"], "config_seeds": True},
         "parties": {name: {"columns": list(cols)} for name, cols in ds.parties.items()},
         "train": {"epochs": epochs, "batch_size": batch_size, "lr": 0.001},
         "model": {"hidden": [64], "width": 16},

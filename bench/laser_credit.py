@@ -172,6 +172,7 @@ def build_config(job: dict[str, Any], run_dir: Path):
         "policy": {
             "aggregations": ["plain", "mask", "ckks"],
             "min_group": min(2, job.get("min_group", 2)),
+            "config_seeds": True,  # shared_init
         },
         "network": {
             "heartbeat_interval": 1.0,

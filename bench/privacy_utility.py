@@ -40,7 +40,7 @@ def credit_config(
         # shared_init: a benchmark, reproducible from its seed
         "run": {"method": "splitnn", "aggregation": "plain", "seed": seed, "shared_init": True},
         # the label-DP sweep runs plain (what the parties receive does not depend on it)
-        "policy": {"aggregations": ["plain"]},
+        "policy": {"aggregations": ["plain"], "config_seeds": True},
         "data": {
             "path": str(data.resolve()),
             "id": "ID",

@@ -46,6 +46,10 @@ class ReleasePolicy:
     # aggregator_in_active; plain and mask only): the active party then sees every masked
     # contribution, which hides the party's value as well as a separate aggregator does
     aggregator_in_active: bool = True
+    # accept a run in which the party draws what protects it from a seed in the config, which
+    # every role holding the config knows (`config_seeds`: [run] shared_init, [privacy]
+    # noise_seed with embedding DP, [method] guest_seed): for tests and benchmarks only
+    config_seeds: bool = False
     on_refusal: str = "stop"  # "stop": stop cleanly; "skip": refuse the call, keep serving
 
 
@@ -533,7 +537,7 @@ def validate(cfg: RunConfig) -> None:
     spec = method_spec(cfg.method)
     spec.validate_config(cfg)
     for party in cfg.parties:
-        refusal = policy_refusal(cfg, party.policy, spec)
+        refusal = policy_refusal(cfg, party.policy, spec, party=party.name)
         if refusal is not None:
             raise ConfigError(f"[parties.{party.name}.policy] {refusal[0]}", refusal[1])
 
@@ -569,9 +573,30 @@ def _check_pipeline(cfg: RunConfig) -> None:
         )
 
 
-def policy_refusal(cfg: RunConfig, policy: ReleasePolicy, spec: Any) -> tuple[str, str] | None:
-    """(policy key, reason) if a party with `policy` would refuse this run; None if it
-    accepts it. The party checks the same at run time, against its own config."""
+def config_seeds(cfg: RunConfig, party: str) -> list[str]:
+    """The settings of `cfg` under which passive party `party` draws from a seed in the config
+    what would otherwise protect it (every role that holds the config can then redraw it):
+    `[run] shared_init` (its initial weights), `[privacy] noise_seed` when it noises its
+    contributions (embedding DP: the noise could be subtracted), `[method] guest_seed` (a
+    TabVFL guest's weights, secret layer and masks)."""
+    found = []
+    if cfg.shared_init:
+        found.append("[run] shared_init = true")
+    if cfg.noise_seed is not None and any(
+        p.name == party and p.embedding_dp is not None for p in cfg.parties
+    ):
+        found.append(f"[privacy] noise_seed = {cfg.noise_seed} (with embedding DP)")
+    guest = getattr(cfg.options, "guest_seed", None)
+    if guest is not None:
+        found.append(f"[method] guest_seed = {guest}")
+    return found
+
+
+def policy_refusal(
+    cfg: RunConfig, policy: ReleasePolicy, spec: Any, *, party: str
+) -> tuple[str, str] | None:
+    """(policy key, reason) if passive party `party` with `policy` would refuse this run; None
+    if it accepts it. The party checks the same at run time, against its own config."""
     import fnmatch
 
     if policy.methods is not None and cfg.method not in policy.methods:
@@ -618,6 +643,14 @@ def policy_refusal(cfg: RunConfig, policy: ReleasePolicy, spec: Any) -> tuple[st
             "this party's policy does not allow (by default nothing leaves in the clear); add "
             "them to the policy's clear_releases if the party accepts (see `securevfl methods "
             f"{cfg.method}` for what each is)"
+        )
+    seeded = config_seeds(cfg, party) if not policy.config_seeds else []
+    if seeded:
+        return "config_seeds", (
+            f"the run has {party} draw from a seed in the config ({'; '.join(seeded)}), which "
+            "every role holding the config knows: the active party could redraw it and undo "
+            "what it protects. Remove the setting (each party then draws its own from the "
+            "OS), or, for a test or a benchmark only, set the party's policy config_seeds = true"
         )
     return None
 
@@ -876,6 +909,7 @@ _POLICY_KEYS = {
     "clear_releases",
     "share_presence",
     "aggregator_in_active",
+    "config_seeds",
     "on_refusal",
 }
 
@@ -922,6 +956,9 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
         raise ConfigError(
             f"{ikey} aggregator_in_active", f"must be true or false, got {colocated!r}"
         )
+    seeds, skey2 = get("config_seeds", d.config_seeds)
+    if not isinstance(seeds, bool):
+        raise ConfigError(f"{skey2} config_seeds", f"must be true or false, got {seeds!r}")
     refusal, rkey = get("on_refusal", d.on_refusal)
     if refusal not in ("stop", "skip"):
         raise ConfigError(f"{rkey} on_refusal", f'must be "stop" or "skip", got {refusal!r}')
@@ -932,6 +969,7 @@ def _policy(values: Mapping[str, tuple[Any, str]], party: str) -> ReleasePolicy:
         clear_releases=tuple(clear),
         share_presence=share,
         aggregator_in_active=colocated,
+        config_seeds=seeds,
         on_refusal=refusal,
     )
 

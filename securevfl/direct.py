@@ -115,6 +115,7 @@ class DirectFederation(ActiveRound):
                 session=session,
                 mask_keypair=keys[p],
                 mask_publics=publics,
+                scoring=score is not None,
             )
             for p in cfg.party_names
         }

@@ -16,11 +16,12 @@ releases anything.
 * **No differencing within a model version.** For each row, the sums a party contributes the
   same value to (same tensor, same model version) must not combine linearly into a sum over
   fewer than `min_group` passive parties (`FamilyGuard`). The version is what the contributions
-  are a function of: the model's weights (`model_digest`) and the session's data
-  (`data_identity`), not a count of updates; what was summed at each version is kept on the
+  are a function of besides the row: the model's weights (`model_digest`), not a count of
+  updates nor the file the row came from; what was summed at each version is kept on the
   party's disk (`FamilyLog`), so that an update that moved nothing, restored weights and later
-  sessions at the same weights and data are held to it. With embedding DP each call's
-  contribution carries fresh noise, so only the sums of one call are checked together.
+  sessions at the same weights (`securevfl predict`, `--resume`) are held to it. With
+  embedding DP each call's contribution carries fresh noise, so only the sums of one call are
+  checked together.
 
 A refusal is a `PolicyRefusal` naming the rule; the party records it in the ledger and either
 stops cleanly or refuses the call and keeps serving (`on_refusal`); it never releases.
@@ -125,9 +126,24 @@ class FamilyGuard:
     def __init__(self, *, min_group: int) -> None:
         self.min_group = min_group
         self._tensors: dict[str, _Families] = {}
+        # per tensor, groups counted in every row's family: a version's sums folded into one
+        # record when its rows were dropped from the log (`FamilyLog.compact`)
+        self._everywhere: dict[str, tuple[frozenset[str], ...]] = {}
+        # whether the last `admit` that passed changed a row's family (else the call repeated
+        # sums already made: nothing for the log to keep)
+        self.grew = False
 
     def new_version(self) -> None:
         self._tensors.clear()
+        self._everywhere.clear()
+
+    def admit_everywhere(self, tensor: str, groups: Iterable[frozenset[str]]) -> None:
+        """Count `groups` in the family of every row of `tensor`, whichever rows a later call
+        names: what is left of a version's sums after `FamilyLog.compact` folded them (the
+        rows are gone; that they were summed over these groups is not). Refuses more, never
+        less: a row summed over one group then counts as summed over all of them."""
+        known = self._everywhere.get(tensor, ())
+        self._everywhere[tensor] = tuple(dict.fromkeys(known + tuple(groups)))
 
     def admit(self, tensor: str, ids: np.ndarray, groups: Iterable[frozenset[str]]) -> str | None:
         """Add `groups` to the family of every row of `ids` for `tensor`; returns a reason
@@ -137,16 +153,20 @@ class FamilyGuard:
         groups = tuple(dict.fromkeys(groups))
         if len(ids) == 0:
             return None
+        everywhere = self._everywhere.get(tensor, ())
         known = self._tensors.get(tensor)
         if known is None:
             known = self._tensors[tensor] = _Families()
         if not known.blocks and known.first is None:
             # the first sum of this version (every training forward): no family to look up,
             # and the rows are sorted only if a second sum of the version comes
-            isolated = isolating_set(groups, self.min_group)
+            family = tuple(dict.fromkeys(everywhere + groups))
+            isolated = isolating_set(family, self.min_group)
             if isolated is not None:
-                return _isolating(tensor, groups, isolated, row=int(ids[0]), versioned=False)
+                row = int(ids[0])
+                return _isolating(tensor, family, isolated, row=row, versioned=bool(everywhere))
             known.first = (ids.copy(), known.index(groups))
+            self.grew = True
             return None
         known.settle()
         found = known.find(ids)  # (block, positions in it, mask over ids) per block hit
@@ -156,10 +176,12 @@ class FamilyGuard:
         grown: dict[int, int] = {}  # old family -> old family + groups
         for old in np.unique(which).tolist():
             family = tuple(dict.fromkeys(known.families[old] + groups))
-            isolated = isolating_set(family, self.min_group)
+            checked = tuple(dict.fromkeys(everywhere + family)) if everywhere else family
+            isolated = isolating_set(checked, self.min_group)
             if isolated is not None:
                 row = int(ids[np.argmax(which == old)])
-                return _isolating(tensor, family, isolated, row=row, versioned=bool(old))
+                versioned = bool(old) or bool(everywhere)
+                return _isolating(tensor, checked, isolated, row=row, versioned=versioned)
             grown[old] = known.index(family)
         lookup = np.arange(len(known.families), dtype=np.int64)
         lookup[list(grown)] = list(grown.values())
@@ -171,6 +193,7 @@ class FamilyGuard:
             new &= ~hit
         if new.any():
             known.add(np.unique(ids[new]), grown[0])
+        self.grew = bool(new.any()) or any(old != now for old, now in grown.items())
         return None
 
 
@@ -246,9 +269,13 @@ class FamilyLog:
     contribution it admits leaves the party (the page cache keeps it if the process is killed;
     a record cut short by a crash is dropped on opening, as its contribution never left).
     Costs 8 bytes a row a call on disk and nothing in memory but an index of offsets. Training
-    makes a new version every step, so at each checkpoint the file keeps only the versions a
-    later session can start from or come back to (`compact`): the current one, the session's
-    first, and those of the checkpoints still on disk (`pin`)."""
+    makes a new version every step, so at each checkpoint the file keeps the rows only of the
+    versions a later session starts from (`compact`): the current one, those the session was
+    set up at, and those of the checkpoints still on disk (`pin`). Every other version is
+    folded, not dropped: one record per tensor of the groups it was summed over, counted for
+    every row (`FamilyGuard.admit_everywhere`). A version can be come back to by other ways
+    than a checkpoint (replaying the same steps from an earlier one; the weights are the
+    version), and must then still be held to its sums."""
 
     _HEAD = struct.Struct("<II")  # header bytes, id count
 
@@ -315,8 +342,9 @@ class FamilyLog:
 
     def compact(self, *, keep: Iterable[bytes], epochs: Iterable[int]) -> None:
         """Rewrite the file with the records of the versions `keep` and of the checkpoints of
-        `epochs` (those still on disk), and their pins; the rest is dropped. Atomic: a crash
-        leaves the old file or the new one."""
+        `epochs` (those still on disk), and their pins; every other version's records are
+        folded into one per tensor (its groups, for every row: `records` yields it with
+        ``everywhere`` true). Atomic: a crash leaves the old file or the new one."""
         pins = {e: v for e, v in self.pins.items() if e in set(epochs)}
         wanted = set(keep) | set(pins.values())
         temp = self.path.with_suffix(".compacting")
@@ -324,6 +352,14 @@ class FamilyLog:
             for version, offsets in self._index.items():
                 if version in wanted:  # copied as written, in their order
                     out.write(b"".join(self._raw(offset) for offset in offsets))
+                    continue
+                folded: dict[str, list[frozenset[str]]] = {}
+                for tensor, groups, _, _ in self.records(version):
+                    known = folded.setdefault(tensor, [])
+                    known.extend(g for g in groups if g not in known)
+                for tensor, groups in folded.items():
+                    fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
+                    out.write(self._record({**fields, "all": True}, np.empty(0)))
             for epoch, version in pins.items():
                 out.write(self._record({"v": version.hex(), "pin": epoch}, np.empty(0)))
             out.flush()
@@ -332,14 +368,18 @@ class FamilyLog:
         os.replace(temp, self.path)
         self._open()
 
-    def records(self, version: bytes) -> Iterator[tuple[str, list[frozenset[str]], np.ndarray]]:
-        """(tensor, groups, ids) of every record of `version`, in the order they were written."""
-        for offset in self._index.get(version, ()):
+    def records(
+        self, version: bytes
+    ) -> Iterator[tuple[str, list[frozenset[str]], np.ndarray, bool]]:
+        """(tensor, groups, ids, everywhere) of every record of `version`, in the order they
+        were written; ``everywhere``: a folded record (`compact`), whose groups count for every
+        row (its ids are empty)."""
+        for offset in list(self._index.get(version, ())):
             self._file.seek(offset)
             hbytes, count = self._HEAD.unpack(self._file.read(self._HEAD.size))
             header = msgpack.unpackb(self._file.read(hbytes), raw=False)
             ids = np.frombuffer(self._file.read(8 * count), dtype="<i8").astype(np.int64)
-            yield header["t"], [frozenset(g) for g in header["g"]], ids
+            yield header["t"], [frozenset(g) for g in header["g"]], ids, bool(header.get("all"))
         self._file.seek(0, 2)
 
     def close(self) -> None:
@@ -513,23 +553,6 @@ def _layout(t: Any) -> tuple:
 _INT_VIEW = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}  # element size -> integer view
 
 
-def data_identity(table: Any) -> bytes:
-    """What a party's rows are this session: its file (resolved path, size, modification time)
-    or, for a table made in memory, a digest of its ids and values. Sums of the same ids from
-    another file are of other values, so another model version for the differencing rule."""
-    source = getattr(table, "source", None)
-    if source is not None:
-        return hashlib.blake2b(source.encode(), digest_size=16).digest()
-    h = hashlib.blake2b(digest_size=16)
-    h.update(np.ascontiguousarray(table.ids, dtype=np.int64))
-    values = getattr(table, "matrix", None)
-    if values is None:
-        values = getattr(getattr(table, "rowstore", None), "numbers", None)
-    if values is not None:
-        h.update(np.ascontiguousarray(values))
-    return h.digest()
-
-
 # ------------------------------------------------------------------------------------ the guard
 
 
@@ -546,11 +569,15 @@ class CallGuard:
         keypair: MaskingKeyPair,
         active_public: bytes,
         holds: Callable[[np.ndarray], np.ndarray] | None = None,
+        scoring: bool = False,
     ) -> None:
         """`holds`: which of a call's rows this party holds (its table's `has`); the rows it
-        lacks are filed as one (`_filed_rows`)."""
+        lacks are filed as one (`_filed_rows`). `scoring`: the party was started to score
+        rows with its trained model (`securevfl party --score`, its own command line): it then
+        refuses anything that would train or checkpoint (`_check_mode`)."""
         self.cfg = cfg
         self.name = name
+        self.scoring = scoring
         self.spec = spec
         self.policy = cfg.party(name).policy
         self.session_hex = session.hex()
@@ -570,7 +597,8 @@ class CallGuard:
         self.version: bytes | None = None
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
         self.holds = holds
-        self.first_version: bytes | None = None  # the session's, at set-up
+        self.first_version: bytes | None = None  # the session's, at its first set-up
+        self.set_up_at: list[bytes] = []  # every version a set-up of this session started at
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
     def refuse(self, rule: str, detail: str) -> PolicyRefusal:
@@ -578,20 +606,20 @@ class CallGuard:
 
     def check_run(self) -> None:
         """Before anything: the party's own policy accepts the run its own config describes."""
-        refused = policy_refusal(self.cfg, self.policy, self.spec)
+        refused = policy_refusal(self.cfg, self.policy, self.spec, party=self.name)
         if refused is not None:
             raise self.refuse(f"policy {refused[0]}", refused[1])
 
     def authenticate(
         self, meta: Mapping[str, Any], *, session: str, round: int, tensors: Mapping
     ) -> None:
+        self.binding = None  # until this call's tag has checked
         tags = meta.get("auth")
         tag = tags.get(self.name) if isinstance(tags, dict) else None
         if session != self.session_hex:
             raise self.refuse("authentication", f"a call of another session ({session[:12]}...)")
         covered = call_digest(meta, session=session, round=round, tensors=tensors)
         expected = call_tag(self.key, covered)
-        self.binding = None
         if not isinstance(tag, str) or not hmac.compare_digest(tag, expected):
             raise self.refuse(
                 "authentication",
@@ -607,6 +635,7 @@ class CallGuard:
         """Refuse (`PolicyRefusal`) a call this party must not answer."""
         if self.name not in call.to:
             raise self.refuse("recipients", f"a call for {list(call.to)} reached {self.name!r}")
+        self._check_mode(call)
         if call.op == P.OP_SETUP:
             return self._check_setup(call)
         if call.op == P.OP_SETUP_ROWS:  # a part of a streamed table's rows, before set-up
@@ -666,8 +695,32 @@ class CallGuard:
                 reason = self.families.admit(tensor, rows, groups)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
-                if self.log is not None and self.version is not None and not self.fresh_noise:
+                logged = self.log is not None and self.version is not None
+                if logged and not self.fresh_noise and self.families.grew:
                     self.log.append(self.version, tensor, groups, rows)
+
+    def _check_mode(self, call: Any) -> None:
+        """A party started to score (`scoring`) sets up only to score and never trains or
+        checkpoints: an update would overwrite the trained model and leave the version its
+        sums are held to, a checkpoint would re-pin the log to the scoring session; a party
+        started to train sets up only to train. The mode is the party's own command line's,
+        never the active party's word."""
+        if call.op == P.OP_SETUP and bool(call.args.get("predict", False)) != self.scoring:
+            mine = "to score rows (--score)" if self.scoring else "to train"
+            raise self.refuse(
+                "mode",
+                f"set-up {'to score' if call.args.get('predict') else 'to train'}, but this "
+                f"party was started {mine}",
+            )
+        if not self.scoring:
+            return
+        op = self.spec.operation(call.op)
+        if call.op == P.OP_CHECKPOINT or (op is not None and op.updates):
+            raise self.refuse(
+                "mode",
+                f"{call.op!r} while scoring: this party was started to score rows with its "
+                "trained model (--score), which it neither trains nor checkpoints",
+            )
 
     def _filed_rows(self, ids: np.ndarray, *, per_row: bool) -> np.ndarray:
         """The rows the differencing rule files a call's sums of one tensor under: the call's
@@ -733,7 +786,10 @@ class CallGuard:
             self.log.close()
         self.log = FamilyLog(log_path)
         version = digest()
-        self.first_version = version
+        if self.first_version is None:  # a later set-up of the session (a retry) keeps it
+            self.first_version = version
+        if version is not None and version not in self.set_up_at:
+            self.set_up_at.append(version)
         self._use_version(version)
 
     def checkpointed(self, epoch: int, on_disk: Iterable[int]) -> None:
@@ -743,7 +799,7 @@ class CallGuard:
         if self.log is None or self.version is None:
             return
         self.log.pin(epoch, self.version)
-        keep = [v for v in (self.version, self.first_version) if v is not None]
+        keep = [v for v in (self.version, self.first_version, *self.set_up_at) if v is not None]
         self.log.compact(keep=keep, epochs=on_disk)
 
     def after(self, call: Any, *, digest: Callable[[], bytes | None] | None = None) -> None:
@@ -766,8 +822,11 @@ class CallGuard:
         self.version = version
         if self.log is None or version is None:
             return
-        for tensor, groups, ids in self.log.records(version):
-            self.families.admit(tensor, ids, groups)  # admitted before, in this order
+        for tensor, groups, ids, everywhere in self.log.records(version):
+            if everywhere:  # a folded version: its groups, for every row
+                self.families.admit_everywhere(tensor, groups)
+            else:
+                self.families.admit(tensor, ids, groups)  # admitted before, in this order
 
     def _check_group(self, group: Sequence[str], key: str) -> None:
         members = list(group)

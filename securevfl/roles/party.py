@@ -37,9 +37,11 @@ class PassiveParty:
         logger: logging.Logger,
         device: Any,
         device_time: Any = None,
+        scoring: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device_time = device_time  # a `DeviceClock` where the models run on a GPU
+        self.scoring = scoring  # started to score rows (--score): the guard holds it to that
         self.name = name
         self.conn = conn
         self.run_dir = run_dir
@@ -78,6 +80,7 @@ class PassiveParty:
             mask_publics=self.conn.public.mask,
             ckks_zeros=zeros,
             ckks_zero_helper=helper,
+            scoring=self.scoring,
         )
         rounds.device_time = self.device_time
         rounds.guard.check_run()  # this party's own policy accepts the run its config describes
@@ -195,6 +198,7 @@ def run_party(
             logger=logger,
             device=device,
             device_time=device_time,
+            scoring=scoring,
         ).run()
         return P.EXIT_OK
     except P.RunAborted:

@@ -21,7 +21,6 @@ combine only that round's contributions (its own masks).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import re
 import time
@@ -267,10 +266,12 @@ class PartyRound:
         mask_publics: Mapping[str, bytes],
         ckks_zeros: str | None = None,
         ckks_zero_helper: Any = None,
+        scoring: bool = False,
     ) -> None:
         """`ckks_zeros`: how a CKKS sum stage makes its encryptions of zero ahead
         (`securevfl.secure_sum.ZERO_MODES`); None: the in-process default. `ckks_zero_helper`:
-        a helper process started early for it (`securevfl.secure_sum.start_zero_helper`)."""
+        a helper process started early for it (`securevfl.secure_sum.start_zero_helper`).
+        `scoring`: the party was started to score rows (`CallGuard`'s `scoring`)."""
         from securevfl.roles.guard import CallGuard
 
         self.cfg = cfg
@@ -287,6 +288,7 @@ class PartyRound:
             keypair=mask_keypair,
             active_public=mask_publics[cfg.active_name],
             holds=method.table.has,
+            scoring=scoring,
         )
         self.run_dir = Path(run_dir)
         self.ledger = ledger
@@ -306,7 +308,6 @@ class PartyRound:
         self.observe: Callable[[SumSpec, np.ndarray], None] | None = None
         self.overlap = overlaps_sums(cfg)
         self._widths: dict[tuple[str, str], int] = {}  # values per row of each op's sums
-        self._data_identity: bytes | None = None  # of this session's table (`_model_digest`)
         self._digest_views: dict = {}  # what `model_digest` reuses: its plan, byte views
         self.device_time: Any = None  # a `DeviceClock` where the models run on a GPU
 
@@ -347,16 +348,14 @@ class PartyRound:
         return self._reply(calls[-1], tensors, shapes)
 
     def _model_digest(self) -> bytes | None:
-        """The version of what this party contributes: its model's weights and its data (the
-        file it read this session: scoring another file is another version)."""
-        from securevfl.roles.guard import data_identity, model_digest
+        """The version of what this party contributes: its model's weights. Not its data file:
+        a row is its id, whichever file holds it (`securevfl predict` writes the rows it scores
+        to a file of its own each time, and a version per file would let each predict session
+        difference against training's sums of the same rows). A file that gives an id another
+        row's values is then held to that id's sums: the party refuses more, never less."""
+        from securevfl.roles.guard import model_digest
 
-        weights = model_digest(self.method, views=self._digest_views)
-        if weights is None:
-            return None
-        if self._data_identity is None:
-            self._data_identity = data_identity(self.method.table)
-        return hashlib.blake2b(weights + self._data_identity, digest_size=16).digest()
+        return model_digest(self.method, views=self._digest_views)
 
     def _check(self, call: Call) -> None:
         """The guard's checks and the method's own rule on one call, before it runs."""

@@ -76,7 +76,8 @@ def small_federation(tmp_path):
 
 def permissive_policy(raw: dict) -> dict:
     """Give every party the release policy that accepts what `raw` asks for (its aggregation,
-    min_group and the method's clear releases), for tests of other features; tests of the
+    min_group, the method's clear releases and seeds in the config), for tests of other
+    features; tests of the
     policy itself build their own. Returns `raw`, changed in place."""
     from securevfl.methods import method_spec
 
@@ -88,6 +89,13 @@ def permissive_policy(raw: dict) -> dict:
         accepted.append(aggregation)
     if run.get("min_group", 2) < policy.get("min_group", 2):
         policy["min_group"] = run["min_group"]
+    seeded = (
+        run.get("shared_init")
+        or raw.get("privacy", {}).get("noise_seed") is not None
+        or raw.get("method", {}).get("guest_seed") is not None
+    )
+    if seeded:  # a test's reproducible draws (`fixed_seeds`), which a party must accept
+        policy["config_seeds"] = True
     try:
         spec = method_spec(run.get("method", "splitnn"))
     except KeyError:  # an unknown method: config validation says so

@@ -16,10 +16,12 @@ from securevfl.methods import method_spec
 
 
 def fixed_seeds(raw: dict[str, Any]) -> dict[str, Any]:
-    """`raw` with ``[run] shared_init = true``, and ``[method] guest_seed`` = the run's seed
-    where its method declares that option (a value the test set already is kept)."""
+    """`raw` with ``[run] shared_init = true``, ``[method] guest_seed`` = the run's seed where
+    its method declares that option (a value the test set already is kept), and the policy
+    ``config_seeds = true`` by which every party accepts them."""
     run = raw.setdefault("run", {})
     run.setdefault("shared_init", True)
+    raw.setdefault("policy", {})["config_seeds"] = True  # which every party must accept
     spec = method_spec(run.get("method", "splitnn"))
     if "guest_seed" in {f.name for f in dataclasses.fields(spec.options)}:
         raw.setdefault("method", {}).setdefault("guest_seed", run.get("seed", 0))

@@ -287,14 +287,14 @@ def ckks_federation(tmp_path):
         )
     )
 
-    def forward(ids) -> Envelope:
+    def forward(ids, args=None) -> Envelope:
         return signed(
             Call(
                 op="forward",
                 round=2,
                 session=session.hex(),
                 ids=np.asarray(ids, dtype=np.int64),
-                args={"train": False},
+                args=args or {"train": False},
                 sums=(SumSpec(key="S", tensor="rep", group=PARTIES),),
                 to=PARTIES,
             )
@@ -353,3 +353,20 @@ def test_a_split_view_through_the_aggregator_stops_the_run_and_forwards_nothing(
     assert "the active party sent the members of one sum different calls" in reason
     assert "['alpha', 'beta'] call" in reason and "['gamma'] call" in reason
     assert "different calls" in caplog.text  # and the aggregator's log says why it stopped
+
+
+def test_a_split_view_on_the_arguments_alone_is_stopped_too(ckks_federation):
+    """The same rows, inputs and sums for every member, and gamma alone told other arguments
+    (as FALSE-VFL's per-party `observed` would be): the binding covers the whole call, so the
+    aggregator forwards nothing of the round."""
+    cfg, rounds, holder, setup, forward, values, ids = ckks_federation
+    told = forward(ids[:10], {"train": False})
+    other = forward(ids[:10], {"train": False, "epoch": 7})
+    hub = ScriptedHub(rounds, [setup, told], split={2: {"gamma": other}})
+    code = serve(cfg, hub)
+    replies = hub.replies[2]
+    assert all(r.kind == P.CONTRIB for r in replies.values())  # every guard admitted its call
+    bindings = {p: r.tensors["S/call"].tobytes() for p, r in replies.items()}
+    assert bindings["alpha"] == bindings["beta"] != bindings["gamma"]
+    assert not [e for e in hub.to_active() if e.round == 2 and e.kind == P.RESULT]
+    assert code != EXIT_OK

@@ -103,6 +103,7 @@ def _bare_guard(min_group: int = 2):
     guard.log = None
     guard.version = None
     guard.first_version = None
+    guard.set_up_at = []
     guard.spec = method_spec("splitnn")
     return guard
 
@@ -156,20 +157,25 @@ def test_the_family_log_drops_a_record_cut_short_and_goes_on(tmp_path):
     path.write_bytes(whole + whole[: len(whole) // 3])  # a crash in the middle of a record
     log = FamilyLog(path)
     assert path.stat().st_size == len(whole)
-    ((tensor, groups, ids),) = list(log.records(b"v1"))
+    ((tensor, groups, ids, everywhere),) = list(log.records(b"v1"))
+    assert not everywhere
     assert tensor == "rep" and groups == [frozenset(("p1", "p2"))] and ids.tolist() == [3, 1, 2]
-    assert [g for _, g, _ in log.records(b"v2")] == [
+    assert [g for _, g, _, _ in log.records(b"v2")] == [
         [frozenset(("p1", "p3")), frozenset(("p2", "p3"))]
     ]
     log.append(b"v1", "rep", [frozenset(("p2", "p3"))], np.array([7]))
-    assert [i.tolist() for _, _, i in log.records(b"v1")] == [[3, 1, 2], [7]]
+    assert [i.tolist() for _, _, i, _ in log.records(b"v1")] == [[3, 1, 2], [7]]
     assert list(log.records(b"unknown")) == []
     log.close()
 
 
-def test_a_checkpoint_keeps_the_versions_a_session_can_come_back_to_and_drops_the_rest(tmp_path):
-    """Training makes a version a step; at a checkpoint the log keeps the current version, the
-    session's first and those of the checkpoints still on disk, and drops the others."""
+def test_a_checkpoint_keeps_the_rows_of_the_versions_a_session_starts_at_and_folds_the_rest(
+    tmp_path,
+):
+    """Training makes a version a step; at a checkpoint the log keeps the rows of the current
+    version, the session's first and those of the checkpoints still on disk, and folds every
+    other version into one record per tensor of its groups, for every row (a version can be
+    come back to by replaying steps from a checkpoint: the weights are the version)."""
     path = tmp_path / "p1-families.log"
     ids = np.arange(4, dtype=np.int64)
     whole = [frozenset(PARTIES[:3])]
@@ -185,14 +191,29 @@ def test_a_checkpoint_keeps_the_versions_a_session_can_come_back_to_and_drops_th
     guard.log.close()
 
     reopened = FamilyLog(path)
-    kept = {
-        v
-        for v in (b"start", b"s1", b"s2", b"e0", b"s3", b"e1", b"s4", b"e2")
-        if list(reopened.records(v))
-    }
+    versions = (b"start", b"s1", b"s2", b"e0", b"s3", b"e1", b"s4", b"e2")
+    records = {v: list(reopened.records(v)) for v in versions}
+    kept = {v for v in versions if all(not everywhere for *_, everywhere in records[v])}
     assert kept == {b"start", b"e1", b"e2"}  # the first, and the two checkpoints on disk
+    for v in set(versions) - kept:  # folded: the groups, no rows
+        ((tensor, groups, ids, everywhere),) = records[v]
+        assert everywhere and tensor == "rep" and groups == whole and ids.size == 0
     assert reopened.pins == {1: b"e1", 2: b"e2"}
     reopened.close()
+
+
+def test_a_folded_version_counts_its_groups_for_every_row():
+    """Rows 0-3 summed over {p1,p2,p3} at a version later folded: coming back to it, a sum of
+    any rows (others too) over {p1,p2} would difference with it, and is refused; a sum over
+    the same group is not."""
+    guard = FamilyGuard(min_group=2)
+    guard.admit_everywhere("rep", [frozenset(PARTIES[:3])])
+    assert guard.admit("rep", np.arange(100, 104), [frozenset(PARTIES[:3])]) is None
+    reason = guard.admit("rep", np.arange(200, 204), [frozenset(PARTIES[:2])])
+    assert reason is not None and "combine into the contribution of ['p3']" in reason
+    assert guard.admit("rep", np.arange(100, 104), [frozenset(PARTIES[:2])]) is not None
+    guard.new_version()
+    assert guard.admit("rep", np.arange(200, 204), [frozenset(PARTIES[:2])]) is None
 
 
 def test_a_digest_from_kept_views_is_the_digest_read_afresh():
@@ -264,3 +285,24 @@ def test_a_digest_from_a_kept_plan_follows_every_change_of_the_modules():
     changed(lambda: method.heads.__setitem__(0, torch.nn.Linear(4, 2, bias=False)))
     changed(lambda: method.heads[0].weight.mul_(2.0))  # in place: same plan, new values
     assert model_digest(method, views=views) == digests[-1]  # nothing changed: the same
+
+
+def test_a_second_set_up_keeps_the_session_s_first_version_and_keeps_both(tmp_path):
+    """A set-up again in one session (a retry, or a resume from a checkpoint) does not make its
+    version the session's first: the first stays, and a checkpoint keeps the rows of every
+    version the session was set up at."""
+    path = tmp_path / "p1-families.log"
+    whole = [frozenset(PARTIES[:3])]
+    guard = _bare_guard()
+    guard.attach(path, lambda: b"initial")
+    guard.log.append(b"initial", "rep", whole, np.arange(4))
+    guard.attach(path, lambda: b"resumed")
+    guard.log.append(b"resumed", "rep", whole, np.arange(4))
+    assert guard.first_version == b"initial" and guard.set_up_at == [b"initial", b"resumed"]
+    guard.after(_Update(), digest=lambda: b"trained")
+    guard.checkpointed(0, [0])
+    folded = {
+        v: [everywhere for *_, everywhere in guard.log.records(v)] for v in (b"initial", b"resumed")
+    }
+    assert folded == {b"initial": [False], b"resumed": [False]}
+    guard.log.close()

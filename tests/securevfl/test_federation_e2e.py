@@ -32,7 +32,7 @@ def demo_runs(tmp_path_factory):
         config = prepare_demo(d, aggregation=aggregation)
         inproc = ["--set", 'run.transport="inproc"'] if aggregation == "plain" else []
         # the three runs are compared: every party's initial model from the run's seed
-        shared = ["--set", "run.shared_init=true"]
+        shared = ["--set", "run.shared_init=true", "--set", "policy.config_seeds=true"]
         done = securevfl_cli("run", str(config), "--out", str(d / "run"), *inproc, *shared)
         assert done.returncode == 0, done.stderr
         out[aggregation] = (json.loads((d / "run" / "metrics.json").read_text()), done, d)

@@ -66,11 +66,15 @@ class Attacker:
         again: bool = False,
         welcome=None,
         edit=None,
+        score: bool = False,
+        party_data=None,
     ) -> None:
         """`again`: a new session of the federation set up in `root` before (same data, keys
         and run directory: the parties' own disks); `welcome(party, meta)`: the WELCOME meta a
         modified aggregator sends that party instead; `edit(raw)`: changes the federation's
-        config (every role's) before it is written."""
+        config (every role's) before it is written; `score`: the parties are started to score
+        rows with their trained models (`--score`, as `securevfl predict` starts them), from
+        `party_data` (party -> file; default: their training files)."""
         if not again:
             synthetic_csv(root / "data.csv", n=200)
         raw = federation_raw(on_refusal)
@@ -112,9 +116,10 @@ class Attacker:
                     "--keys",
                     str(keys),
                     "--data",
-                    str(role_data_path(self.run_dir, p)),
+                    str((party_data or {}).get(p, role_data_path(self.run_dir, p))),
                     "--address",
                     self.hub.endpoint,
+                    *(["--score"] if score else []),
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -609,6 +614,7 @@ def test_model_versions_and_sessions_hold_against_a_modified_active_party(tmp_pa
 
     def shared(raw):
         raw["run"]["shared_init"] = True
+        raw["policy"]["config_seeds"] = True
 
     first = Attacker(tmp_path, edit=shared)
     try:

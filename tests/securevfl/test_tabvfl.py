@@ -206,7 +206,7 @@ def test_tabvfl_le_on_mask_is_within_a_point_of_plain(tmp_path):
         raw["run"]["aggregation"] = aggregation
         raw["train"] = {"epochs": 10, "batch_size": 64, "lr": 0.02, "weight_decay": 1e-4}
         raw["method"] = {**QUICK, "pretrain_epochs": 3, "guest_seed": raw["run"]["seed"]}
-        raw["policy"] = {"aggregations": ["plain", "mask"]}
+        raw["policy"] = {"aggregations": ["plain", "mask"], "config_seeds": True}  # guest_seed
         fed = DirectFederation(_cfg(raw, d), run_dir=d / "run", record=aggregation == "mask")
         results[aggregation] = fed.run()
         if aggregation == "mask":
@@ -238,7 +238,7 @@ def test_tabvfl_le_on_ckks_trains_as_on_plain(tmp_path):
         raw["train"] = {"epochs": 2, "batch_size": 100, "lr": 0.02}
         # the same guest encoders in both runs (tests only: not private)
         raw["method"] = {**QUICK, "pretrain_epochs": 1, "guest_seed": raw["run"]["seed"]}
-        raw["policy"] = {"aggregations": ["plain", "ckks"]}
+        raw["policy"] = {"aggregations": ["plain", "ckks"], "config_seeds": True}  # guest_seed
         if aggregation == "plain":
             results[aggregation] = DirectFederation(
                 _cfg(raw, d), run_dir=d / "run", record=False

@@ -56,7 +56,11 @@ def federation(
             **(train or {}),
         },
         "method": dict(options or {}),
-        "policy": _policy(method, aggregation),
+        "policy": {
+            **_policy(method, aggregation),
+            # a test's or benchmark's `guest_seed`: the guests must accept it (not private)
+            **({"config_seeds": True} if (options or {}).get("guest_seed") is not None else {}),
+        },
     }
 
 
