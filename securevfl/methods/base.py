@@ -191,12 +191,17 @@ class PartyMethod(ABC):
                 "its first model and invert what it sends before training has moved it (for "
                 "tests and benchmarks that compare against a model built from the config)"
             )
-            logger.warning("%s: %s", self.name, reason)
-            privacy = getattr(self, "privacy", None)
-            if privacy is not None:
-                privacy.record_unprotected_once(what=f"{self.name} initial model", reason=reason)
+            self.record_config_seed(what=f"{self.name} initial model", reason=reason)
         self._init_seed = seed
         return seed
+
+    def record_config_seed(self, *, what: str, reason: str) -> None:
+        """Say (log, and ledger once the role's privacy is attached) that `what` is drawn
+        from a seed in the config and so protects nothing (`config_seeds`)."""
+        logger.warning("%s: %s", self.name, reason)
+        privacy = getattr(self, "privacy", None)
+        if privacy is not None:
+            privacy.record_unprotected_once(what=what, reason=reason)
 
     @abstractmethod
     def handle(

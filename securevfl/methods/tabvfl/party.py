@@ -132,10 +132,7 @@ class _GuestBase(PartyMethod):
             "rebuilds them and inverts what the guest sends; they protect nothing (for tests "
             "only)"
         )
-        logger.warning("%s: %s", self.name, reason)
-        privacy = getattr(self, "privacy", None)
-        if privacy is not None:
-            privacy.record_unprotected_once(what=f"{self.method_name} guest model", reason=reason)
+        self.record_config_seed(what=f"{self.method_name} guest model", reason=reason)
         return int(fixed)
 
     def _build(self, d_k: int, *, init: Any, masks: Any) -> Any:
