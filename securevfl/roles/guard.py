@@ -340,11 +340,15 @@ class FamilyLog:
         self._write({"v": version.hex(), "pin": int(epoch)}, np.empty(0))
         self.pins[int(epoch)] = version
 
-    def compact(self, *, keep: Iterable[bytes], epochs: Iterable[int]) -> None:
+    def compact(self, *, keep: Iterable[bytes], epochs: Iterable[int], min_group: int = 2) -> None:
         """Rewrite the file with the records of the versions `keep` and of the checkpoints of
-        `epochs` (those still on disk), and their pins; every other version's records are
-        folded into one per tensor (its groups, for every row: `records` yields it with
-        ``everywhere`` true). Atomic: a crash leaves the old file or the new one."""
+        `epochs` (those still on disk), and their pins. Every other version's records of a
+        tensor are folded into one (its groups, for every row: `records` yields it with
+        ``everywhere`` true) where those groups together isolate nobody (`min_group`: e.g.
+        split-NN's one group of all parties); otherwise they are kept as written, so that a
+        session brought back to that version (replaying the same steps after a resume) is
+        held to them exactly rather than refused everything. Atomic: a crash leaves the old
+        file or the new one."""
         pins = {e: v for e, v in self.pins.items() if e in set(epochs)}
         wanted = set(keep) | set(pins.values())
         temp = self.path.with_suffix(".compacting")
@@ -353,13 +357,20 @@ class FamilyLog:
                 if version in wanted:  # copied as written, in their order
                     out.write(b"".join(self._raw(offset) for offset in offsets))
                     continue
-                folded: dict[str, list[frozenset[str]]] = {}
+                union: dict[str, list[frozenset[str]]] = {}
+                tensors = []  # of each offset's record
                 for tensor, groups, _, _ in self.records(version):
-                    known = folded.setdefault(tensor, [])
+                    known = union.setdefault(tensor, [])
                     known.extend(g for g in groups if g not in known)
-                for tensor, groups in folded.items():
-                    fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
-                    out.write(self._record({**fields, "all": True}, np.empty(0)))
+                    tensors.append(tensor)
+                folded = {t for t, g in union.items() if isolating_set(tuple(g), min_group) is None}
+                for offset, tensor in zip(offsets, tensors, strict=True):
+                    if tensor not in folded:
+                        out.write(self._raw(offset))
+                for tensor in sorted(folded):
+                    groups = [sorted(g) for g in union[tensor]]
+                    fields = {"v": version.hex(), "t": tensor, "g": groups, "all": True}
+                    out.write(self._record(fields, np.empty(0)))
             for epoch, version in pins.items():
                 out.write(self._record({"v": version.hex(), "pin": epoch}, np.empty(0)))
             out.flush()
@@ -800,7 +811,7 @@ class CallGuard:
             return
         self.log.pin(epoch, self.version)
         keep = [v for v in (self.version, self.first_version, *self.set_up_at) if v is not None]
-        self.log.compact(keep=keep, epochs=on_disk)
+        self.log.compact(keep=keep, epochs=on_disk, min_group=self.families.min_group)
 
     def after(self, call: Any, *, digest: Callable[[], bytes | None] | None = None) -> None:
         """Note a model update: sums after it are of a new model version if the weights changed

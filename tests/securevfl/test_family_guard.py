@@ -306,3 +306,24 @@ def test_a_second_set_up_keeps_the_session_s_first_version_and_keeps_both(tmp_pa
     }
     assert folded == {b"initial": [False], b"resumed": [False]}
     guard.log.close()
+
+
+def test_a_version_whose_groups_together_isolate_keeps_its_rows(tmp_path):
+    """Rows 0-3 summed over {p1,p2,p3} and rows 4-7 over {p1,p2} at one version (LASER-VFL's
+    families differ by row): folding them would count both groups for every row, which isolates
+    p3 and would refuse everything at that version; so its rows are kept, and a session back at
+    it is held to them exactly: rows 0-3 over {p1,p2} refused, new rows over {p1,p2} served."""
+    path = tmp_path / "p1-families.log"
+    log = FamilyLog(path)
+    log.append(b"old", "rep", [frozenset(PARTIES[:3])], np.arange(4))
+    log.append(b"old", "rep", [frozenset(PARTIES[:2])], np.arange(4, 8))
+    log.append(b"whole", "rep", [frozenset(PARTIES[:3])], np.arange(4))
+    log.compact(keep=[], epochs=[], min_group=2)
+    assert [e for *_, e in log.records(b"old")] == [False, False]  # kept as written
+    assert [e for *_, e in log.records(b"whole")] == [True]  # one group: folded
+    guard = FamilyGuard(min_group=2)
+    for tensor, groups, ids, _ in log.records(b"old"):
+        guard.admit(tensor, ids, groups)
+    assert guard.admit("rep", np.arange(4), [frozenset(PARTIES[:2])]) is not None
+    assert guard.admit("rep", np.arange(8, 12), [frozenset(PARTIES[:2])]) is None
+    log.close()
