@@ -74,6 +74,26 @@ CALL_BINDING_PREFIX = b"securevfl/call-binding/v1"
 WHOLE_CALL = np.array([np.iinfo(np.int64).min], dtype=np.int64)
 
 
+def row_keys(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """int64 keys of rows: a mix of each row's id and the bits of its values (float64, -0.0 as
+    0.0 and every NaN as one), so equal rows (same id, same values) always share a key, in any
+    file and process, and rows that differ in their id or a value almost never do (two that
+    did would be filed as one: the party refuses more, never less). Never `WHOLE_CALL`."""
+    ids = np.asarray(ids, dtype=np.int64)
+    v = np.array(values, dtype=np.float64, copy=True).reshape(len(ids), -1) + 0.0
+    v[np.isnan(v)] = np.nan
+    bits = v.view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = ids.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        for j in range(bits.shape[1]):
+            h ^= bits[:, j]
+            h *= np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(31)
+    keys = h.view(np.int64)
+    keys[keys == WHOLE_CALL[0]] += 1
+    return keys
+
+
 def call_digest(
     env_meta: Mapping[str, Any], *, session: str, round: int, tensors: Mapping
 ) -> bytes:
@@ -145,11 +165,20 @@ class FamilyGuard:
         known = self._everywhere.get(tensor, ())
         self._everywhere[tensor] = tuple(dict.fromkeys(known + tuple(groups)))
 
-    def admit(self, tensor: str, ids: np.ndarray, groups: Iterable[frozenset[str]]) -> str | None:
+    def admit(
+        self,
+        tensor: str,
+        ids: np.ndarray,
+        groups: Iterable[frozenset[str]],
+        *,
+        shown: np.ndarray | None = None,
+    ) -> str | None:
         """Add `groups` to the family of every row of `ids` for `tensor`; returns a reason
         (and records nothing) if some row's family would isolate fewer than min_group
-        parties."""
+        parties. `shown`: what the reason names each row by (its id, where `ids` are the keys
+        the party files rows under); default `ids`."""
         ids = np.asarray(ids, dtype=np.int64)
+        shown = ids if shown is None else shown
         groups = tuple(dict.fromkeys(groups))
         if len(ids) == 0:
             return None
@@ -163,7 +192,7 @@ class FamilyGuard:
             family = tuple(dict.fromkeys(everywhere + groups))
             isolated = isolating_set(family, self.min_group)
             if isolated is not None:
-                row = int(ids[0])
+                row = int(shown[0])
                 return _isolating(tensor, family, isolated, row=row, versioned=bool(everywhere))
             known.first = (ids.copy(), known.index(groups))
             self.grew = True
@@ -179,7 +208,7 @@ class FamilyGuard:
             checked = tuple(dict.fromkeys(everywhere + family)) if everywhere else family
             isolated = isolating_set(checked, self.min_group)
             if isolated is not None:
-                row = int(ids[np.argmax(which == old)])
+                row = int(shown[np.argmax(which == old)])
                 versioned = bool(old) or bool(everywhere)
                 return _isolating(tensor, checked, isolated, row=row, versioned=versioned)
             grown[old] = known.index(family)
@@ -580,12 +609,17 @@ class CallGuard:
         keypair: MaskingKeyPair,
         active_public: bytes,
         holds: Callable[[np.ndarray], np.ndarray] | None = None,
+        values: Callable[[np.ndarray], np.ndarray] | None = None,
         scoring: bool = False,
     ) -> None:
         """`holds`: which of a call's rows this party holds (its table's `has`); the rows it
-        lacks are filed as one (`_filed_rows`). `scoring`: the party was started to score
-        rows with its trained model (`securevfl party --score`, its own command line): it then
-        refuses anything that would train or checkpoint (`_check_mode`)."""
+        lacks are filed as one (`_filed_rows`). `values`: the party's own values of rows it
+        holds (its table's `rows`): a row is filed under its id and those values
+        (`row_keys`), so the same row in another file (a scoring session's) shares its record
+        and another row under a reused id does not; None: under its id. `scoring`: the party
+        was started to score rows with its trained model (`securevfl party --score`, its own
+        command line): it then refuses anything that would train or checkpoint
+        (`_check_mode`)."""
         self.cfg = cfg
         self.name = name
         self.scoring = scoring
@@ -608,6 +642,7 @@ class CallGuard:
         self.version: bytes | None = None
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
         self.holds = holds
+        self.values = values
         self.first_version: bytes | None = None  # the session's, at its first set-up
         self.set_up_at: list[bytes] = []  # every version a set-up of this session started at
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
@@ -702,8 +737,8 @@ class CallGuard:
             for tensor, groups in by_tensor.items():
                 # a tensor that is not one value per row (VFEM's shift, dbeta, SEM shares) is
                 # the same whichever rows a call names: all its sums are checked together
-                rows = self._filed_rows(call.ids, per_row=op.release_of(tensor).per_row)
-                reason = self.families.admit(tensor, rows, groups)
+                rows, shown = self._filed_rows(call.ids, per_row=op.release_of(tensor).per_row)
+                reason = self.families.admit(tensor, rows, groups, shown=shown)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
                 logged = self.log is not None and self.version is not None
@@ -733,22 +768,29 @@ class CallGuard:
                 "trained model (--score), which it neither trains nor checkpoints",
             )
 
-    def _filed_rows(self, ids: np.ndarray, *, per_row: bool) -> np.ndarray:
-        """The rows the differencing rule files a call's sums of one tensor under: the call's
-        rows this party holds, each on its own; everything else under `WHOLE_CALL`, as one.
-        What a party sends for a row it lacks has no data of that row in it (VFEM's
-        mu_k'beta_k, FALSE-VFL's and vanilla VFL's fill-ins): it is one value per model
-        version whichever row a call names, so two sums over different lacking rows could
-        otherwise difference. A tensor not per row (`Release.per_row = False`) is all one."""
+    def _filed_rows(self, ids: np.ndarray, *, per_row: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The keys the differencing rule files a call's sums of one tensor under, and the ids
+        they stand for (for a refusal's reason): each row this party holds under its own key
+        (`row_keys` of its id and values); everything else under `WHOLE_CALL`, as one. What a
+        party sends for a row it lacks has no data of that row in it (VFEM's mu_k'beta_k,
+        FALSE-VFL's and vanilla VFL's fill-ins): it is one value per model version whichever
+        row a call names, so two sums over different lacking rows could otherwise difference.
+        A tensor not per row (`Release.per_row = False`) is all one."""
         if not per_row:
-            return WHOLE_CALL
+            return WHOLE_CALL, WHOLE_CALL
         ids = np.asarray(ids, dtype=np.int64)
-        if self.holds is None or not len(ids):
-            return ids
-        held = np.asarray(self.holds(ids), dtype=bool)
+        if not len(ids):
+            return ids, ids
+        held = (
+            np.ones(len(ids), dtype=bool)
+            if self.holds is None
+            else np.asarray(self.holds(ids), dtype=bool)
+        )
+        mine = ids if held.all() else ids[held]
+        keys = mine if self.values is None or not len(mine) else row_keys(mine, self.values(mine))
         if held.all():
-            return ids
-        return np.concatenate([ids[held], WHOLE_CALL])
+            return keys, mine
+        return np.concatenate([keys, WHOLE_CALL]), np.concatenate([mine, WHOLE_CALL])
 
     def _check_call_groups(self, call: Any, mine: Sequence[Any]) -> None:
         """Refuse a call whose sums of one tensor this party contributes to, together with the

@@ -288,6 +288,7 @@ class PartyRound:
             keypair=mask_keypair,
             active_public=mask_publics[cfg.active_name],
             holds=method.table.has,
+            values=method.table.rows,
             scoring=scoring,
         )
         self.run_dir = Path(run_dir)
@@ -349,10 +350,10 @@ class PartyRound:
 
     def _model_digest(self) -> bytes | None:
         """The version of what this party contributes: its model's weights. Not its data file:
-        a row is its id, whichever file holds it (`securevfl predict` writes the rows it scores
-        to a file of its own each time, and a version per file would let each predict session
-        difference against training's sums of the same rows). A file that gives an id another
-        row's values is then held to that id's sums: the party refuses more, never less."""
+        a row is filed under its id and its values whichever file holds it (`guard.row_keys`;
+        `securevfl predict` writes the rows it scores to a file of its own each time, and a
+        version per file would let each predict session difference against training's sums
+        of the same rows)."""
         from securevfl.roles.guard import model_digest
 
         return model_digest(self.method, views=self._digest_views)

@@ -327,3 +327,19 @@ def test_a_version_whose_groups_together_isolate_keeps_its_rows(tmp_path):
     assert guard.admit("rep", np.arange(4), [frozenset(PARTIES[:2])]) is not None
     assert guard.admit("rep", np.arange(8, 12), [frozenset(PARTIES[:2])]) is None
     log.close()
+
+
+def test_a_row_is_filed_under_its_id_and_its_values():
+    """The same row (id and values, -0.0 as 0.0, any NaN as NaN) has one key in any file; a
+    reused id with another value, or another id, has another; no key is the pseudo-row of the
+    rows a party lacks."""
+    from securevfl.roles.guard import WHOLE_CALL, row_keys
+
+    ids = np.array([7, 7, 7, 8, 7], dtype=np.int64)
+    nan_bits = np.array([0x7FF8000000000001], dtype=np.uint64).view(np.float64)[0]
+    values = np.array([[1.5, 0.0], [1.5, -0.0], [1.5, 2.0], [1.5, 0.0], [np.nan, 0.0]])
+    keys = row_keys(ids, values)
+    assert keys[0] == keys[1] and len(set(keys[[0, 2, 3, 4]].tolist())) == 4
+    assert row_keys(ids[4:], np.array([[nan_bits, 0.0]]))[0] == keys[4]
+    assert np.array_equal(row_keys(ids, values), keys)  # deterministic
+    assert WHOLE_CALL[0] not in keys

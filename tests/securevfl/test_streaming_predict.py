@@ -51,15 +51,19 @@ def _trained(tmp_path: Path, name: str, edit) -> tuple[Path, Path]:
 
 
 def _with_missing_blocks(source: Path, out: Path) -> Path:
-    """`source` with party p0's cells empty in every third row and p1's in every fourth: the
-    scored rows fall into several presence patterns."""
+    """`source`'s rows as new rows (new ids) with party p0's cells empty in every third row and
+    p1's in every fourth: the scored rows fall into several presence patterns. (The training
+    rows themselves with a block blanked would be refused: at the trained weights, their sum
+    over fewer parties differences with training's sums to the blanked party's value.)"""
     lines = source.read_text().splitlines()
     header = lines[0].split(",")
     p0 = [header.index(c) for c in ("X1", "X2")]
     p1 = [header.index(c) for c in ("X3", "X4")]
+    at = header.index("ID")
     rows = [lines[0]]
     for i, line in enumerate(lines[1:]):
         cells = line.split(",")
+        cells[at] = str(100_000 + i)
         for j in (p0 if i % 3 == 1 else []) + (p1 if i % 4 == 2 else []):
             cells[j] = ""
         rows.append(",".join(cells))
