@@ -95,10 +95,12 @@ class RidgeParty(PartyMethod):
         self.beta, self.mean, self.sd = (np.asarray(state[k]) for k in ("beta", "mean", "sd"))
 
     def version_state(self) -> dict[str, Any]:
-        # what `predict` releases is z beta_k (mean and sd are fixed at set-up): the party's
-        # differencing rule keys its sums by beta_k, so a step that leaves it keeps them
+        # what `predict` releases is z beta_k, z = (x - mean) / sd with mean and sd fitted at
+        # set-up on the rows the active party names: the party's differencing rule keys its
+        # sums by all three, so a step that leaves beta_k keeps them, and a set-up on other
+        # rows (another standardisation of the same beta_k) does not
         beta = getattr(self, "beta", None)
-        return {} if beta is None else {"beta": beta}
+        return {} if beta is None else {"beta": beta, "mean": self.mean, "sd": self.sd}
 
 
 class RidgeActive(ActiveMethod):

@@ -133,3 +133,46 @@ def test_a_scoring_party_is_held_to_training_s_sums_and_never_trains(tmp_path):
         )
     finally:
         s.close()
+
+
+def test_a_vfem_party_keeps_its_model_s_standardisation(tmp_path):
+    """VFEM releases beta'(x - center) / scale per row, and `prepare` (the active party's call)
+    sets center and scale. A resumed session at the same beta that prepares p1 without
+    standardisation and the others as before would get, from two sums of the same rows over
+    the same three parties, p1's term alone (the others cancel). The party keeps its model's
+    first `prepare` in its checkpoint and refuses another; the same one is served."""
+
+    def vfem(raw):
+        raw["run"]["method"] = "vfem"
+        raw["data"]["task"] = "regression"
+        raw.pop("model", None)
+        raw.pop("train", None)
+        raw["policy"]["clear_releases"] = ["design.spectrum", "finish.coef", "finish.var"]
+
+    def prepare(a, to, standardize):
+        args = {"intercept": True, "standardize": standardize}
+        return a.call("prepare", ids=a.ids, to=to, args=args)
+
+    m = [SumSpec(key="m", tensor="m", group=PARTIES)]
+    t = Attacker(tmp_path, edit=vfem)
+    try:
+        served(t.setup())
+        served(prepare(t, PARTIES, True))
+        design = {"kind": "complete", "reset": True}
+        served(t.call("design", ids=t.ids, args=design, collect=("spectrum",)))
+        e = np.random.default_rng(3).normal(size=len(t.ids))
+        inputs = {"e": e, "w": np.zeros(len(t.ids))}
+        served(t.call("mstep", ids=t.ids, inputs=inputs, args={"sigma2": 1.0, "eta": 0.5}))
+        served(t.call("checkpoint", ids=NONE, args={"epoch": 0}))
+        served(t.call("predict", ids=t.ids[:20], sums=m))
+    finally:
+        t.close()
+    a = Attacker(tmp_path, again=True, edit=vfem)
+    try:
+        served(a.setup(args={"resume_epoch": 0}))
+        refused(prepare(a, ("p1",), False), "method", parties=("p1",))
+        served(prepare(a, ("p2", "p3"), True), parties=("p2", "p3"))
+        served(prepare(a, ("p1",), True), parties=("p1",))  # the model's own: served
+        served(a.call("predict", ids=a.ids[:20], sums=m))
+    finally:
+        a.close()

@@ -129,7 +129,9 @@ def test_the_digest_of_a_declared_version_follows_its_values_only():
     party.beta = np.zeros(3)
     party.mean, party.sd = np.zeros(3), np.ones(3)
     first = model_digest(party)
-    party.mean = np.ones(3)  # fixed at set-up in a run; not what the version is of
+    party.mean = np.ones(3)  # another standardisation (a set-up on other rows): what the
+    assert model_digest(party) != first  # party releases changes, so the version does
+    party.mean = np.zeros(3)
     assert model_digest(party) == first
     party.beta = np.array([0.0, 1e-300, 0.0])
     assert model_digest(party) != first

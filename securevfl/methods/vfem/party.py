@@ -3,8 +3,9 @@ terms (to secure sums) and keeps its parameters."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,40 @@ class BlockRegressionParty(PartyMethod):
         self.prepared_ids: np.ndarray | None = None
         self.design_ids: np.ndarray | None = None
         self._pending_state: Mapping[str, Any] | None = None
+
+    def check_call(
+        self,
+        op: str,
+        *,
+        ids: np.ndarray,
+        args: Mapping[str, Any],
+        inputs: Mapping[str, np.ndarray],
+        groups: Sequence[tuple[str, ...]],
+    ) -> str | None:
+        """A model's standardisation is fixed by its first `prepare` (its rows, `intercept`,
+        `standardize`), kept in its checkpoint: a later `prepare` of the same model (in this
+        session, or after a resume) with other rows or flags is refused. It would change
+        what the party releases at the same beta in a way the active party chooses, and
+        the difference of two sums of a row over the same parties, one per standardisation,
+        would be this party's term alone (beta'((x - c) / s) - beta'x: the other parties'
+        cancel)."""
+        del inputs, groups
+        if op != "prepare":
+            return None
+        pinned = self._pinned_prepare()
+        if pinned is None or _prepare_key(ids, args) == pinned:
+            return None
+        return (
+            "'prepare' with other rows or standardisation than this model's first (kept in "
+            "its checkpoint): the same coefficients under another standardisation would "
+            "difference to this party's terms alone"
+        )
+
+    def _pinned_prepare(self) -> list | None:
+        pending = self._pending_state
+        if pending is not None and pending.get("prepare") is not None:
+            return list(pending["prepare"])
+        return getattr(self, "_prepare_pin", None)
 
     def _values(self, ids: np.ndarray) -> np.ndarray:
         out = np.full((len(ids), len(self.table.columns)), np.nan)
@@ -81,6 +116,7 @@ class BlockRegressionParty(PartyMethod):
                 row_name=row_namer(self.table, ids),
             )
             self.prepared_ids = np.asarray(ids)
+            self._prepare_pin = _prepare_key(ids, args)  # `check_call` holds later ones to it
             if self._pending_state is not None:
                 self.block.load_state_dict(self._pending_state)
                 self._pending_state = None
@@ -145,15 +181,30 @@ class BlockRegressionParty(PartyMethod):
         raise UnknownOperation(self.method_label, op)
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.block is None else self.block.state_dict()
+        if self.block is None:
+            return {}
+        return {**self.block.state_dict(), "prepare": getattr(self, "_prepare_pin", None)}
 
     def version_state(self) -> dict[str, Any]:
-        """beta alone: on the rows this party holds its released terms are functions of beta
-        (and of the fixed standardisation); mu and Sigma, which an M-step moves even at step
-        size 0, only enter for rows it lacks, so counting them would let a step that leaves
-        beta where it is open a new version."""
-        return {} if self.block is None else {"beta": self.block.params.beta}
+        """beta and the standardisation: on the rows this party holds its released terms are
+        beta'(x - center) / scale, and `prepare` (the active party's call: its rows, its
+        `standardize` and `intercept`) sets center and scale, so the same beta under another
+        standardisation is another version (else the two sums of one row would difference to
+        this party's term alone). mu and Sigma, which an M-step moves even at step size 0,
+        only enter for rows it lacks, so counting them would let a step that leaves beta
+        where it is open a new version."""
+        if self.block is None:
+            return {}
+        b = self.block
+        return {"beta": b.params.beta, "center": b.center, "scale": b.scale}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # applied when the active party re-sends 'prepare' after a resume
         self._pending_state = dict(state) if state else None
+
+
+def _prepare_key(ids: np.ndarray, args: Mapping[str, Any]) -> list:
+    """What fixes a block's standardisation: a digest of the rows `prepare` names, and its
+    `intercept` and `standardize` flags."""
+    rows = hashlib.sha256(np.ascontiguousarray(ids, dtype="<i8").tobytes()).hexdigest()
+    return [rows, bool(args.get("intercept")), bool(args.get("standardize"))]
