@@ -643,9 +643,14 @@ class CallGuard:
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
         self.holds = holds
         self.values = values
-        self.first_version: bytes | None = None  # the session's, at its first set-up
         self.set_up_at: list[bytes] = []  # every version a set-up of this session started at
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
+
+    @property
+    def first_version(self) -> bytes | None:
+        """The version the session's first set-up started at (a later one, a retry or a
+        resume, does not replace it)."""
+        return self.set_up_at[0] if self.set_up_at else None
 
     def refuse(self, rule: str, detail: str) -> PolicyRefusal:
         return PolicyRefusal(self.name, rule, detail)
@@ -734,10 +739,15 @@ class CallGuard:
             by_tensor: dict[str, list[frozenset[str]]] = {}
             for s in mine:
                 by_tensor.setdefault(s.tensor, []).append(frozenset(s.group))
+            per_row: tuple[np.ndarray, np.ndarray] | None = None  # the call's rows, keyed once
             for tensor, groups in by_tensor.items():
                 # a tensor that is not one value per row (VFEM's shift, dbeta, SEM shares) is
                 # the same whichever rows a call names: all its sums are checked together
-                rows, shown = self._filed_rows(call.ids, per_row=op.release_of(tensor).per_row)
+                if not op.release_of(tensor).per_row:
+                    rows, shown = WHOLE_CALL, WHOLE_CALL
+                else:
+                    per_row = per_row or self._filed_rows(call.ids)
+                    rows, shown = per_row
                 reason = self.families.admit(tensor, rows, groups, shown=shown)
                 if reason is not None:
                     raise self.refuse("differencing", reason)
@@ -768,16 +778,15 @@ class CallGuard:
                 "trained model (--score), which it neither trains nor checkpoints",
             )
 
-    def _filed_rows(self, ids: np.ndarray, *, per_row: bool) -> tuple[np.ndarray, np.ndarray]:
-        """The keys the differencing rule files a call's sums of one tensor under, and the ids
-        they stand for (for a refusal's reason): each row this party holds under its own key
-        (`row_keys` of its id and values); everything else under `WHOLE_CALL`, as one. What a
-        party sends for a row it lacks has no data of that row in it (VFEM's mu_k'beta_k,
-        FALSE-VFL's and vanilla VFL's fill-ins): it is one value per model version whichever
-        row a call names, so two sums over different lacking rows could otherwise difference.
-        A tensor not per row (`Release.per_row = False`) is all one."""
-        if not per_row:
-            return WHOLE_CALL, WHOLE_CALL
+    def _filed_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The keys the differencing rule files a call's sums of a per-row tensor under, and
+        the ids they stand for (for a refusal's reason): each row this party holds under its
+        own key (`row_keys` of its id and values); the rows it lacks under `WHOLE_CALL`, as
+        one. What a party sends for a row it lacks has no data of that row in it (VFEM's
+        mu_k'beta_k, FALSE-VFL's and vanilla VFL's fill-ins): it is one value per model
+        version whichever row a call names, so two sums over different lacking rows could
+        otherwise difference. (A tensor not per row, `Release.per_row = False`, is all one
+        `WHOLE_CALL`: `check`.)"""
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return ids, ids
@@ -839,8 +848,6 @@ class CallGuard:
             self.log.close()
         self.log = FamilyLog(log_path)
         version = digest()
-        if self.first_version is None:  # a later set-up of the session (a retry) keeps it
-            self.first_version = version
         if version is not None and version not in self.set_up_at:
             self.set_up_at.append(version)
         self._use_version(version)
@@ -852,7 +859,7 @@ class CallGuard:
         if self.log is None or self.version is None:
             return
         self.log.pin(epoch, self.version)
-        keep = [v for v in (self.version, self.first_version, *self.set_up_at) if v is not None]
+        keep = [v for v in (self.version, *self.set_up_at) if v is not None]
         self.log.compact(keep=keep, epochs=on_disk, min_group=self.families.min_group)
 
     def after(self, call: Any, *, digest: Callable[[], bytes | None] | None = None) -> None:

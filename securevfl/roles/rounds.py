@@ -724,14 +724,14 @@ class AggregatorRound:
                     "others' (check that every role runs the same config and code); resume "
                     "from the last checkpoint once it is fixed"
                 )
-            party_shapes = set(by_shape)
+            (shape,) = by_shape
             try:
                 tensors.update(
                     self.stage.combine_accepted(accepted[spec.key], group=spec.group, key=spec.key)
                 )
             except (ContributionError, ValueError) as exc:
                 raise RunAborted(f"round {call.round}, sum {spec.key!r}: {exc}") from None
-            shapes[spec.key] = list(party_shapes.pop())
+            shapes[spec.key] = list(shape)
         for party, reply in replies.items():
             for k, v in reply.tensors.items():
                 if "@" in k:

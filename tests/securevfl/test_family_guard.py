@@ -102,7 +102,6 @@ def _bare_guard(min_group: int = 2):
     guard.fresh_noise = False
     guard.log = None
     guard.version = None
-    guard.first_version = None
     guard.set_up_at = []
     guard.spec = method_spec("splitnn")
     return guard
