@@ -16,6 +16,7 @@ import torch
 from securevfl.config import ConfigError
 from securevfl.device_time import DeviceClock, device_clock
 from tests.securevfl.conftest import BASE_RAW, securevfl_cli, synthetic_csv, write_toml
+from tests.securevfl.fixed_seeds import fixed_seeds
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU torch can see")
 PARTIES = ("alpha", "beta", "gamma")
@@ -50,7 +51,7 @@ def test_spans_kernels_and_memory_of_known_work(tmp_path, monkeypatch):
 
 @cuda
 def test_a_cuda_federation_records_each_role_and_matches_the_cpu(tmp_path, monkeypatch):
-    raw = copy.deepcopy(BASE_RAW)
+    raw = fixed_seeds(copy.deepcopy(BASE_RAW))  # cpu and cuda compared: one initial model
     raw["train"].update({"epochs": 1, "batch_size": 64})
     synthetic_csv(tmp_path / "data.csv", n=300)
     metrics = {}
