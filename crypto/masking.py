@@ -481,17 +481,16 @@ class MaskedSumParty:
         if not isinstance(call, bytes) or len(call) != 32:
             raise ValueError("call must be the 32-byte digest of the call being answered")
         domain = self.domain(round=round, group=group, tensor=tensor)
-        out = np.array(masked, dtype=np.uint64, order="C", copy=True)
+        masked = np.asarray(masked, dtype=np.uint64)
         ring = sorted(domain.group)
         at = ring.index(self.name)
         neighbours = dict.fromkeys((ring[at - 1], ring[(at + 1) % len(ring)]))
         streams = [(self._mask_key(peer), self.name < peer) for peer in neighbours]
         nonce = stream_nonce(MASK_BIND_PREFIX + length_prefixed(domain.encode()) + call)
-        net = np.empty(out.size, dtype=np.uint64)
+        net = np.empty(masked.size, dtype=np.uint64)  # the new array returned
         _net_mask(net, streams, nonce, self._ciphers, np.uint64(0))
-        flat = out.reshape(-1)
-        np.add(flat, net, out=flat)
-        return out
+        np.add(net, masked.reshape(-1), out=net)
+        return net.reshape(masked.shape)
 
     def mask_prepared(
         self, x: np.ndarray, *, round: int, group: Sequence[str], tensor: str

@@ -46,9 +46,15 @@ MAX_STREAM_WORDS = MAX_STREAM_BLOCKS * _WORDS_PER_BLOCK
 SLACK_WORDS = 2
 MASK_KEY_INFO = b"securevfl/mask-key/v2"
 STREAM_NONCE_PREFIX = b"securevfl/mask-nonce/v2"
-# the block counters of one MAX_FILL_WORDS piece, big-endian, for counter blocks (read-only)
-_COUNTERS = np.arange(MAX_FILL_WORDS // _WORDS_PER_BLOCK, dtype=">u4")
-_COUNTERS.flags.writeable = False
+# the counter blocks of one MAX_FILL_WORDS piece under an all-zero nonce (bytes 12..15 the
+# big-endian counter), as native uint64 pairs: a nonce's blocks are these XOR its 12 bytes,
+# one contiguous broadcast pass instead of strided big-endian writes (read-only)
+_COUNTER_TEMPLATE = np.zeros((MAX_FILL_WORDS // _WORDS_PER_BLOCK, _AES_BLOCK_BYTES), np.uint8)
+_COUNTER_TEMPLATE[:, 12:] = (
+    np.arange(len(_COUNTER_TEMPLATE), dtype=">u4").view(np.uint8).reshape(-1, 4)
+)
+_COUNTER_TEMPLATE = _COUNTER_TEMPLATE.view(np.uint64)
+_COUNTER_TEMPLATE.flags.writeable = False
 
 
 def mask_key(pair_key: bytes) -> bytes:
@@ -159,12 +165,18 @@ def counter_blocks(nonce: bytes, first_block: int, count: int, out: np.ndarray) 
     length: the fast path for callers that own the buffer."""
     if first_block + count > MAX_STREAM_BLOCKS:
         raise ValueError("the blocks run past the 2**32 blocks of one stream")
+    if first_block + count <= len(_COUNTER_TEMPLATE) and out.ctypes.data % 8 == 0:
+        low, high = np.frombuffer(nonce + bytes(4), dtype=np.uint64)
+        blocks64 = out[: _AES_BLOCK_BYTES * count].view(np.uint64).reshape(count, 2)
+        blocks64[:, 0] = low  # nonce bytes 0..7
+        # nonce bytes 8..11 and the counter, from the template (one strided pass each)
+        np.bitwise_xor(
+            _COUNTER_TEMPLATE[first_block : first_block + count, 1], high, out=blocks64[:, 1]
+        )
+        return out[: _AES_BLOCK_BYTES * count]
     blocks = out[: _AES_BLOCK_BYTES * count].view(">u4").reshape(count, 4)
     blocks[:, :3] = np.frombuffer(nonce, dtype=">u4")
-    if first_block + count <= _COUNTERS.size:
-        blocks[:, 3] = _COUNTERS[first_block : first_block + count]
-    else:
-        blocks[:, 3] = np.arange(first_block, first_block + count, dtype=np.uint64)
+    blocks[:, 3] = np.arange(first_block, first_block + count, dtype=np.uint64)
     return out[: _AES_BLOCK_BYTES * count]
 
 

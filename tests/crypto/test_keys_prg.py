@@ -159,6 +159,17 @@ def test_counter_blocks_under_ecb_are_the_ctr_keystream(first: int, count: int) 
         counter_blocks(nonce, 2**32 - 1, 2, np.empty(32, dtype=np.uint8))
 
 
+@pytest.mark.parametrize("first", [0, 3, MAX_FILL_WORDS // 2 - 8192, MAX_FILL_WORDS // 2 - 100])
+def test_counter_blocks_are_the_same_bytes_on_every_path(first: int) -> None:
+    # the template path (an 8-byte aligned buffer within the first MAX_FILL_WORDS // 2 blocks)
+    # and the big-endian writes (an unaligned buffer, or blocks past the template) agree
+    nonce, count = hashlib.sha256(b"n2").digest()[:12], 8192
+    aligned = counter_blocks(nonce, first, count, np.empty(16 * count, dtype=np.uint8))
+    unaligned = counter_blocks(nonce, first, count, np.empty(16 * count + 1, dtype=np.uint8)[1:])
+    expected = b"".join(nonce + (first + i).to_bytes(4, "big") for i in range(count))
+    assert aligned.tobytes() == expected and unaligned.tobytes() == expected
+
+
 def test_counter_streams_keep_one_context_per_key_and_thread() -> None:
     streams = CounterStreams()
     key = bytes(range(16))
