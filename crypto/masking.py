@@ -276,6 +276,8 @@ class MaskedSumParty:
         # (group, sizes) -> (a checked domain of those sums, its encoding before and after the
         # round): the domain of the same sums in any other round without checking them again
         self._templates: dict[tuple, tuple[MaskDomain | MaskCallDomain, tuple[bytes, bytes]]] = {}
+        # sorted group -> the (mask key, add?) of this party's two ring neighbours (`bind`)
+        self._bind_streams: dict[tuple[str, ...], list[tuple[bytes, bool]]] = {}
         # replay guard: session -> round -> digests of the domains masked in that round. Only
         # the latest REPLAY_WINDOW rounds of a session are kept; an older round is refused
         # outright (its floor), so the guard stays bounded over a run of any length
@@ -480,13 +482,17 @@ class MaskedSumParty:
         refuses and a ``call`` that is not 32 bytes."""
         if not isinstance(call, bytes) or len(call) != 32:
             raise ValueError("call must be the 32-byte digest of the call being answered")
-        domain = self.domain(round=round, group=group, tensor=tensor)
         masked = np.asarray(masked, dtype=np.uint64)
-        ring = sorted(domain.group)
-        at = ring.index(self.name)
-        neighbours = dict.fromkeys((ring[at - 1], ring[(at + 1) % len(ring)]))
-        streams = [(self._mask_key(peer), self.name < peer) for peer in neighbours]
-        nonce = stream_nonce(MASK_BIND_PREFIX + length_prefixed(domain.encode()) + call)
+        # the domain `mask` used (one tensor: a `MaskDomain`), checked and encoded then
+        domain, domain_bytes, _, _ = self._resolve(round, group, {tensor: int(masked.size)})
+        streams = self._bind_streams.get(domain.group)
+        if streams is None:
+            ring = domain.group  # sorted
+            at = ring.index(self.name)
+            neighbours = dict.fromkeys((ring[at - 1], ring[(at + 1) % len(ring)]))
+            streams = [(self._mask_key(peer), self.name < peer) for peer in neighbours]
+            _keep_latest(self._bind_streams, domain.group, streams)
+        nonce = stream_nonce(MASK_BIND_PREFIX + length_prefixed(domain_bytes) + call)
         net = np.empty(masked.size, dtype=np.uint64)  # the new array returned
         _net_mask(net, streams, nonce, self._ciphers, np.uint64(0))
         np.add(net, masked.reshape(-1), out=net)

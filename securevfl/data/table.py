@@ -208,6 +208,14 @@ class PartyTable:
         pos = np.minimum(np.searchsorted(self.ids, ids), n - 1)
         return np.where(self.ids[pos] == ids, pos, -1)
 
+    def index_of(self, ids: np.ndarray) -> np.ndarray:
+        """int64 positions of `ids` in this table, -1 where it does not hold them (a streamed
+        table's through its row cache's index)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.streamed:
+            return np.asarray(self.rowstore.locate(ids), dtype=np.int64)
+        return self._index_of(ids)
+
     def held_ids(self, ids: np.ndarray) -> np.ndarray:
         """`ids[self.has(ids)]`: the rows of `ids` this table holds, in that order. For a
         streamed table, computed a block at a time into a file of its row cache (no mask or

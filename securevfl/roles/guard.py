@@ -94,6 +94,34 @@ def row_keys(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
     return keys
 
 
+class TableRowKeys:
+    """Which of a call's rows a party's table holds and the `row_keys` of those rows (its ids
+    and encoded values), for `CallGuard`: the keys of every row of an in-memory table are
+    made once per encoded matrix (8 bytes a row) and a call reads its rows' keys from there;
+    a streamed table's are made from the rows a call names. The same keys as `row_keys` of
+    the call's held ids and `table.rows` of them, row for row."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self._made_for: tuple[Any, Any] | None = None  # (ids, matrix) the keys were made of
+        self._keys: np.ndarray | None = None
+
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(held: bool per id, the keys of the held ids in their order)."""
+        t = self.table
+        ids = np.asarray(ids, dtype=np.int64)
+        pos = t.index_of(ids)
+        held = pos >= 0
+        if t.streamed or t.matrix is None:
+            mine = ids[held]
+            return held, row_keys(mine, t.rows(mine))
+        made = self._made_for
+        if made is None or made[0] is not t.ids or made[1] is not t.matrix:
+            self._keys = row_keys(t.ids, t.matrix)
+            self._made_for = (t.ids, t.matrix)
+        return held, self._keys[pos[held]]
+
+
 def call_digest(
     env_meta: Mapping[str, Any], *, session: str, round: int, tensors: Mapping
 ) -> bytes:
@@ -610,13 +638,16 @@ class CallGuard:
         active_public: bytes,
         holds: Callable[[np.ndarray], np.ndarray] | None = None,
         values: Callable[[np.ndarray], np.ndarray] | None = None,
+        keyed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
         scoring: bool = False,
     ) -> None:
         """`holds`: which of a call's rows this party holds (its table's `has`); the rows it
         lacks are filed as one (`_filed_rows`). `values`: the party's own values of rows it
         holds (its table's `rows`): a row is filed under its id and those values
         (`row_keys`), so the same row in another file (a scoring session's) shares its record
-        and another row under a reused id does not; None: under its id. `scoring`: the party
+        and another row under a reused id does not; None: under its id. `keyed`: both at once,
+        (held per id, the keys of the held rows), e.g. `TableRowKeys` of the party's table,
+        which keeps its keys; it replaces `holds` and `values`. `scoring`: the party
         was started to score rows with its trained model (`securevfl party --score`, its own
         command line): it then refuses anything that would train or checkpoint
         (`_check_mode`)."""
@@ -643,6 +674,7 @@ class CallGuard:
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
         self.holds = holds
         self.values = values
+        self.keyed = keyed
         self.set_up_at: list[bytes] = []  # every version a set-up of this session started at
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
 
@@ -790,13 +822,20 @@ class CallGuard:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return ids, ids
-        held = (
-            np.ones(len(ids), dtype=bool)
-            if self.holds is None
-            else np.asarray(self.holds(ids), dtype=bool)
-        )
-        mine = ids if held.all() else ids[held]
-        keys = mine if self.values is None or not len(mine) else row_keys(mine, self.values(mine))
+        if self.keyed is not None:
+            held, keys = self.keyed(ids)
+            held = np.asarray(held, dtype=bool)
+            mine = ids if held.all() else ids[held]
+        else:
+            held = (
+                np.ones(len(ids), dtype=bool)
+                if self.holds is None
+                else np.asarray(self.holds(ids), dtype=bool)
+            )
+            mine = ids if held.all() else ids[held]
+            keys = (
+                mine if self.values is None or not len(mine) else row_keys(mine, self.values(mine))
+            )
         if held.all():
             return keys, mine
         return np.concatenate([keys, WHOLE_CALL]), np.concatenate([mine, WHOLE_CALL])

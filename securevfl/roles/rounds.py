@@ -272,7 +272,7 @@ class PartyRound:
         (`securevfl.secure_sum.ZERO_MODES`); None: the in-process default. `ckks_zero_helper`:
         a helper process started early for it (`securevfl.secure_sum.start_zero_helper`).
         `scoring`: the party was started to score rows (`CallGuard`'s `scoring`)."""
-        from securevfl.roles.guard import CallGuard
+        from securevfl.roles.guard import CallGuard, TableRowKeys
 
         self.cfg = cfg
         self.name = name
@@ -287,8 +287,7 @@ class PartyRound:
             session=session,
             keypair=mask_keypair,
             active_public=mask_publics[cfg.active_name],
-            holds=method.table.has,
-            values=method.table.rows,
+            keyed=TableRowKeys(method.table),  # which rows it holds, and their keys
             scoring=scoring,
         )
         self.run_dir = Path(run_dir)

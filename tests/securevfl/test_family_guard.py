@@ -342,3 +342,31 @@ def test_a_row_is_filed_under_its_id_and_its_values():
     assert row_keys(ids[4:], np.array([[nan_bits, 0.0]]))[0] == keys[4]
     assert np.array_equal(row_keys(ids, values), keys)  # deterministic
     assert WHOLE_CALL[0] not in keys
+
+
+def test_table_row_keys_are_row_keys_of_the_held_rows_and_follow_a_new_matrix():
+    """`TableRowKeys` (the keys of an in-memory table made once) gives, for any call's ids,
+    which rows the table holds and exactly `row_keys` of those ids and `table.rows` of them; a
+    new encoded matrix (another object) makes its keys again."""
+    from securevfl.data.rowstore import MemoryRows
+    from securevfl.data.table import PartyTable
+    from securevfl.roles.guard import TableRowKeys, row_keys
+
+    ids = np.array([2, 3, 5, 8, 13, 21], dtype=np.int64)
+    numbers = np.arange(12, dtype=np.float64).reshape(6, 2)
+    table = PartyTable(
+        ids=ids,
+        columns=("a", "b"),
+        rowstore=MemoryRows(numbers, np.zeros((6, 0), np.int32), np.empty(6, object)),
+    )
+    keyed = TableRowKeys(table)
+    asked = np.array([21, 4, 2, 2, 13, 99], dtype=np.int64)
+    held, keys = keyed(asked)
+    assert held.tolist() == [True, False, True, True, True, False]
+    mine = asked[held]
+    assert np.array_equal(keys, row_keys(mine, table.rows(mine)))
+    table.matrix = table.matrix + 1.0  # re-encoded: other values, other keys
+    held2, keys2 = keyed(asked)
+    assert np.array_equal(held2, held)
+    assert np.array_equal(keys2, row_keys(mine, table.rows(mine)))
+    assert not np.any(keys2 == keys)
