@@ -114,7 +114,7 @@ class TableRowKeys:
         held = pos >= 0
         if t.streamed or t.matrix is None:
             mine = ids[held]
-            return held, row_keys(mine, t.rows(mine))
+            return held, row_keys(mine, t.rows(mine)) if len(mine) else mine
         made = self._made_for
         if made is None or made[0] is not t.ids or made[1] is not t.matrix:
             self._keys = row_keys(t.ids, t.matrix)

@@ -370,3 +370,35 @@ def test_table_row_keys_are_row_keys_of_the_held_rows_and_follow_a_new_matrix():
     assert np.array_equal(held2, held)
     assert np.array_equal(keys2, row_keys(mine, table.rows(mine)))
     assert not np.any(keys2 == keys)
+
+
+def test_table_row_keys_of_a_streamed_table_equal_those_of_the_same_file_in_memory(tmp_path):
+    """The same rows have the same keys whether the file is read whole or streamed into a row
+    cache (whose keys are made from the rows each call names); text columns included."""
+    from securevfl.config import parse_config
+    from securevfl.data.table import load_party_table
+    from securevfl.roles.guard import TableRowKeys
+
+    lines = ["id,job,age,z,y"] + [
+        f"{i},{('cook', 'admin', '')[i % 3]},{'' if i % 5 == 0 else 20 + i},{i},{i % 2}"
+        for i in range(1, 41)
+    ]
+    (tmp_path / "data.csv").write_text("\n".join(lines) + "\n")
+    raw = {
+        "data": {"path": "data.csv", "id": "id", "label": "y"},
+        "parties": {"p": {"columns": ["job", "age"]}, "q": {"columns": ["z"]}},
+    }
+    cfg = parse_config(raw, source=tmp_path / "config.toml")
+    whole = load_party_table(tmp_path / "data.csv", cfg, "p", stream=False)
+    streamed = load_party_table(
+        tmp_path / "data.csv", cfg, "p", stream=True, cache_dir=tmp_path / "cache"
+    )
+    assert streamed.streamed and not whole.streamed
+    for t in (whole, streamed):
+        t.prepare(np.arange(1, 31))
+    asked = np.array([40, 3, 99, 7, 7, 5, 0], dtype=np.int64)  # 5: both cells empty
+    held_w, keys_w = TableRowKeys(whole)(asked)
+    held_s, keys_s = TableRowKeys(streamed)(asked)
+    assert held_w.tolist() == held_s.tolist() == [True, True, False, True, True, False, False]
+    assert np.array_equal(keys_w, keys_s) and keys_w[2] == keys_w[3]  # id 7 twice: one key
+    assert TableRowKeys(streamed)(np.array([99], dtype=np.int64))[1].size == 0
