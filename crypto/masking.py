@@ -35,8 +35,10 @@ from crypto.prg import (
     MAX_FILL_WORDS,
     MAX_STREAM_WORDS,
     SLACK_WORDS,
+    ZERO_BYTES,
     CounterStreams,
     counter_blocks,
+    ctr_stream,
     mask_key,
     stream_nonce,
 )
@@ -59,6 +61,9 @@ MASK_CALL_PREFIX = b"securevfl/mask-call/v1"
 MASK_BIND_PREFIX = b"securevfl/mask-bind/v1"
 # One fused chunk: input, output and a keystream chunk stay in L2 cache together.
 MASK_CHUNK_WORDS = 1 << 15
+# Above this many words per pair, a range's keystreams come from one CTR context per pair
+# (`crypto.prg.ctr_stream`) rather than from counter blocks made for every chunk.
+CTR_WORDS_PER_STREAM = 1 << 14
 # Each pending preparation holds 8 bytes per value of the call it prepares.
 MAX_PREPARED = 8
 # rounds of a session whose masked domains the replay guard remembers (older ones are refused)
@@ -764,8 +769,14 @@ def _mask_range(
         chunk_words if net is None or in_place else 0, chunk_words if net is None else 0
     )
     scratch_bytes = scratch.view(np.uint8)
+    # a long range: one CTR context per pair (its set-up once) instead of the counter blocks
+    # of every chunk under the pair's reusable ECB context; the same keystream bytes
+    ctr = stop - start > CTR_WORDS_PER_STREAM * len(streams)
     fills = [
-        (ciphers.encryptor(key), np.add if add else np.subtract)
+        (
+            ctr_stream(key, nonce, start // 2) if ctr else ciphers.encryptor(key),
+            np.add if add else np.subtract,
+        )
         for key, add in (streams if net is None else ())
     ]
     tensor = bisect.bisect_right(offsets, start) - 1
@@ -790,7 +801,10 @@ def _mask_range(
             np.add(chunk, encoded if in_place else net[chunk_start:chunk_stop], out=chunk)
             continue
         if fills:
-            counters = counter_blocks(nonce, chunk_start // 2, (words + 1) // 2, blocks)
+            if ctr:  # each context continues where its last chunk ended
+                counters = ZERO_BYTES[: 16 * ((words + 1) // 2)]
+            else:
+                counters = counter_blocks(nonce, chunk_start // 2, (words + 1) // 2, blocks)
             keystream = scratch[:words]
             for fill, combine in fills:
                 fill(counters, scratch_bytes)
@@ -820,7 +834,8 @@ def _net_mask(
         return
     ordered = sorted(streams, key=lambda stream: not stream[1])  # an added stream first
     negate = not ordered[0][1]  # every stream is subtracted: sum them, negate at the end
-    fills = [ciphers.encryptor(key) for key, _ in ordered]
+    ctr = total > CTR_WORDS_PER_STREAM * len(ordered)  # as in `_mask_range`
+    fills = [ctr_stream(key, nonce, 0) if ctr else ciphers.encryptor(key) for key, _ in ordered]
     combines = [np.add if add or negate else np.subtract for _, add in ordered[1:]]
     # -shift - sum, in one pass: np.subtract(minus_shift, chunk)
     minus_shift = np.uint64((-int(shift)) % (1 << 64))
@@ -831,7 +846,10 @@ def _net_mask(
         stop = min(start + MASK_CHUNK_WORDS, total)
         words = stop - start
         chunk = net[start:stop]
-        counters = counter_blocks(nonce, start // 2, (words + 1) // 2, blocks)
+        if ctr:  # each context continues where its last chunk ended
+            counters = ZERO_BYTES[: 16 * ((words + 1) // 2)]
+        else:
+            counters = counter_blocks(nonce, start // 2, (words + 1) // 2, blocks)
         fills[0](counters, keystream_bytes)
         np.copyto(chunk, keystream[:words])
         for fill, combine in zip(fills[1:], combines, strict=True):

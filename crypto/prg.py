@@ -21,6 +21,7 @@ __all__ = [
     "CounterStreams",
     "Keystream",
     "counter_blocks",
+    "ctr_stream",
     "keystream_uint64",
     "mask_key",
     "random_uint64",
@@ -38,6 +39,7 @@ _AES_BLOCK_BYTES = 16
 _WORDS_PER_BLOCK = _AES_BLOCK_BYTES // _WORD_BYTES
 # Encrypting zeros yields the raw keystream; one shared read-only block of zeros is the input.
 _ZERO_BLOCK = memoryview(bytes(MAX_FILL_WORDS * _WORD_BYTES))
+ZERO_BYTES = _ZERO_BLOCK  # read-only zeros: the input whose CTR encryption is the keystream
 # A counter block is the 12-byte nonce and a 32-bit big-endian block counter (as in GCM): one
 # stream is at most 2**32 blocks, 2**33 words (64 GiB), which no call comes near.
 MAX_STREAM_BLOCKS = 1 << 32
@@ -46,14 +48,15 @@ MAX_STREAM_WORDS = MAX_STREAM_BLOCKS * _WORDS_PER_BLOCK
 SLACK_WORDS = 2
 MASK_KEY_INFO = b"securevfl/mask-key/v2"
 STREAM_NONCE_PREFIX = b"securevfl/mask-nonce/v2"
-# the counter blocks of one MAX_FILL_WORDS piece under an all-zero nonce (bytes 12..15 the
-# big-endian counter), as native uint64 pairs: a nonce's blocks are these XOR its 12 bytes,
-# one contiguous broadcast pass instead of strided big-endian writes (read-only)
-_COUNTER_TEMPLATE = np.zeros((MAX_FILL_WORDS // _WORDS_PER_BLOCK, _AES_BLOCK_BYTES), np.uint8)
-_COUNTER_TEMPLATE[:, 12:] = (
-    np.arange(len(_COUNTER_TEMPLATE), dtype=">u4").view(np.uint8).reshape(-1, 4)
-)
-_COUNTER_TEMPLATE = _COUNTER_TEMPLATE.view(np.uint64)
+# A counter block read as two native (little-endian) uint64 words: the first is nonce bytes
+# 0..7, the second nonce bytes 8..11 in its low half and the big-endian counter in its high
+# half. For counters that share their upper 16 bits, that high half is the byte-swapped
+# upper part OR the byte-swapped lower 16 bits (disjoint bytes), so a piece of blocks is this
+# template of the lower 16 bits XOR one constant: a contiguous read and one strided write
+# instead of big-endian element writes (read-only; 512 KiB).
+_TEMPLATE_BLOCKS = 1 << 16
+_COUNTER_TEMPLATE = np.arange(_TEMPLATE_BLOCKS, dtype=np.uint32).byteswap().astype(np.uint64)
+_COUNTER_TEMPLATE <<= np.uint64(32)
 _COUNTER_TEMPLATE.flags.writeable = False
 
 
@@ -165,19 +168,41 @@ def counter_blocks(nonce: bytes, first_block: int, count: int, out: np.ndarray) 
     length: the fast path for callers that own the buffer."""
     if first_block + count > MAX_STREAM_BLOCKS:
         raise ValueError("the blocks run past the 2**32 blocks of one stream")
-    if first_block + count <= len(_COUNTER_TEMPLATE) and out.ctypes.data % 8 == 0:
-        low, high = np.frombuffer(nonce + bytes(4), dtype=np.uint64)
+    if out.ctypes.data % 8 == 0:
+        low, high = (int(w) for w in np.frombuffer(nonce + bytes(4), dtype=np.uint64))
         blocks64 = out[: _AES_BLOCK_BYTES * count].view(np.uint64).reshape(count, 2)
         blocks64[:, 0] = low  # nonce bytes 0..7
-        # nonce bytes 8..11 and the counter, from the template (one strided pass each)
-        np.bitwise_xor(
-            _COUNTER_TEMPLATE[first_block : first_block + count, 1], high, out=blocks64[:, 1]
-        )
+        done = 0
+        while done < count:  # pieces that do not cross a multiple of _TEMPLATE_BLOCKS
+            upper = (first_block + done) & ~(_TEMPLATE_BLOCKS - 1)
+            at = first_block + done - upper
+            n = min(count - done, _TEMPLATE_BLOCKS - at)
+            swapped = int.from_bytes(upper.to_bytes(4, "big"), "little")
+            np.bitwise_xor(
+                _COUNTER_TEMPLATE[at : at + n],
+                np.uint64(high | swapped << 32),
+                out=blocks64[done : done + n, 1],
+            )
+            done += n
         return out[: _AES_BLOCK_BYTES * count]
     blocks = out[: _AES_BLOCK_BYTES * count].view(">u4").reshape(count, 4)
     blocks[:, :3] = np.frombuffer(nonce, dtype=">u4")
     blocks[:, 3] = np.arange(first_block, first_block + count, dtype=np.uint64)
     return out[: _AES_BLOCK_BYTES * count]
+
+
+def ctr_stream(
+    key: bytes, nonce: bytes, first_block: int
+):  # -> Callable[[bytes-like, writable], int]
+    """The ``update_into`` of a fresh AES-128-CTR context for ``key`` from block
+    ``first_block`` of the stream of ``nonce``: call it as ``update_into(zeros, out)`` for the
+    next ``len(zeros)`` keystream bytes (the bytes :func:`counter_blocks` under ECB give).
+    Its set-up costs about what :func:`counter_blocks` takes for 4000 blocks, so it pays for
+    long streams (a large call's), where the counter blocks of every chunk would cost more."""
+    if first_block >= MAX_STREAM_BLOCKS:
+        raise ValueError("the blocks run past the 2**32 blocks of one stream")
+    counter = nonce + first_block.to_bytes(4, "big")
+    return Cipher(algorithms.AES(key), modes.CTR(counter)).encryptor().update_into
 
 
 class CounterStreams:

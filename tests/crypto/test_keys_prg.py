@@ -159,10 +159,12 @@ def test_counter_blocks_under_ecb_are_the_ctr_keystream(first: int, count: int) 
         counter_blocks(nonce, 2**32 - 1, 2, np.empty(32, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("first", [0, 3, MAX_FILL_WORDS // 2 - 8192, MAX_FILL_WORDS // 2 - 100])
+@pytest.mark.parametrize(
+    "first", [0, 3, 2**16 - 8192, 2**16 - 100, 3 * 2**16 + 5, 2**24 - 50, 2**32 - 8192]
+)
 def test_counter_blocks_are_the_same_bytes_on_every_path(first: int) -> None:
-    # the template path (an 8-byte aligned buffer within the first MAX_FILL_WORDS // 2 blocks)
-    # and the big-endian writes (an unaligned buffer, or blocks past the template) agree
+    # the template path (an 8-byte aligned buffer; pieces split where the counter's upper 16
+    # bits change) and the big-endian writes (an unaligned buffer) agree, at any offset
     nonce, count = hashlib.sha256(b"n2").digest()[:12], 8192
     aligned = counter_blocks(nonce, first, count, np.empty(16 * count, dtype=np.uint8))
     unaligned = counter_blocks(nonce, first, count, np.empty(16 * count + 1, dtype=np.uint8)[1:])
