@@ -25,11 +25,14 @@ def test_credit_plain_mask_ckks_agree(tmp_path):
     for aggregation in ("plain", "mask", "ckks"):
         config = tmp_path / f"{aggregation}.toml"
         config.write_text(
+            # shared_init: the three runs compared start from one model (the parties' own
+            # private initial weights would differ between them)
             f'[run]\nmethod = "splitnn"\naggregation = "{aggregation}"\nseed = 0\n'
+            "shared_init = true\n"
             f'[data]\npath = "{CREDIT}"\ntask = "binary"\ntest_fraction = 0.2\n'
             f"{parties}\n[train]\nepochs = 2\nbatch_size = 256\nlr = 0.001\n"
             "[model]\nhidden = [64]\nwidth = 16\n"
-            '[policy]\naggregations = ["plain", "mask", "ckks"]\n'
+            '[policy]\naggregations = ["plain", "mask", "ckks"]\nconfig_seeds = true\n'
         )
         done = securevfl_cli("run", str(config), "--out", str(tmp_path / aggregation), timeout=900)
         assert done.returncode == 0, done.stderr
