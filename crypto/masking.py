@@ -4,7 +4,9 @@ Stage 1, at each party u of a group: ``MaskedSumParty.mask`` encodes its value i
 for every other member v, adds the keystream of the pair (u, v) for this sum if ``u < v`` and
 subtracts it otherwise: AES-128-CTR under the pair's mask key (``crypto.prg.mask_key`` of the
 pair key) from the nonce of the sum's domain (``crypto.prg.stream_nonce``), computed as CTR on
-one reusable AES context per pair (``crypto.prg.CounterStreams``). Stage 2, at the aggregator:
+one reusable AES context per pair (``crypto.prg.CounterStreams``) or, for a range longer than
+``CTR_WORDS_PER_STREAM`` words a pair, by one OpenSSL CTR context per pair and range
+(``crypto.prg.ctr_stream``): the same bytes either way. Stage 2, at the aggregator:
 ``MaskedSumAggregator.add`` adds the contributions; every pairwise mask appears once with each
 sign, so the masks cancel and only the sum remains.
 Stage 3, at the receiver: ``decode_sum``. Masks are derived for the exact group, so a sum over
