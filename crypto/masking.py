@@ -803,10 +803,7 @@ def _mask_range(
             np.add(chunk, encoded if in_place else net[chunk_start:chunk_stop], out=chunk)
             continue
         if fills:
-            if ctr:  # each context continues where its last chunk ended
-                counters = ZERO_BYTES[: 16 * ((words + 1) // 2)]
-            else:
-                counters = counter_blocks(nonce, chunk_start // 2, (words + 1) // 2, blocks)
+            counters = _stream_input(ctr, nonce, chunk_start, words, blocks)
             keystream = scratch[:words]
             for fill, combine in fills:
                 fill(counters, scratch_bytes)
@@ -814,6 +811,15 @@ def _mask_range(
         if shift:
             np.subtract(chunk, shift, out=chunk)
     return -1
+
+
+def _stream_input(ctr: bool, nonce: bytes, start: int, words: int, blocks: np.ndarray) -> Any:
+    """What a chunk of ``words`` keystream words from word ``start`` (even) is encrypted from:
+    zeros for CTR contexts (each continues where its last chunk ended), else the chunk's
+    counter blocks for the pairs' ECB contexts, made in ``blocks``."""
+    if ctr:
+        return ZERO_BYTES[: 16 * ((words + 1) // 2)]
+    return counter_blocks(nonce, start // 2, (words + 1) // 2, blocks)
 
 
 def _keystream_buffers(words: int, block_words: int) -> tuple[np.ndarray, np.ndarray]:
@@ -848,10 +854,7 @@ def _net_mask(
         stop = min(start + MASK_CHUNK_WORDS, total)
         words = stop - start
         chunk = net[start:stop]
-        if ctr:  # each context continues where its last chunk ended
-            counters = ZERO_BYTES[: 16 * ((words + 1) // 2)]
-        else:
-            counters = counter_blocks(nonce, start // 2, (words + 1) // 2, blocks)
+        counters = _stream_input(ctr, nonce, start, words, blocks)
         fills[0](counters, keystream_bytes)
         np.copyto(chunk, keystream[:words])
         for fill, combine in zip(fills[1:], combines, strict=True):

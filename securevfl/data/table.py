@@ -174,10 +174,7 @@ class PartyTable:
 
     def has(self, ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of `ids` this table holds."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if self.streamed:
-            return self.rowstore.locate(ids) >= 0
-        return self._index_of(ids) >= 0
+        return self.index_of(ids) >= 0
 
     def _index_of(self, ids: np.ndarray) -> np.ndarray:
         """int64 positions of int64 `ids` in this (in-memory) table, -1 where it does not

@@ -636,18 +636,14 @@ class CallGuard:
         session: bytes,
         keypair: MaskingKeyPair,
         active_public: bytes,
-        holds: Callable[[np.ndarray], np.ndarray] | None = None,
-        values: Callable[[np.ndarray], np.ndarray] | None = None,
         keyed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
         scoring: bool = False,
     ) -> None:
-        """`holds`: which of a call's rows this party holds (its table's `has`); the rows it
-        lacks are filed as one (`_filed_rows`). `values`: the party's own values of rows it
-        holds (its table's `rows`): a row is filed under its id and those values
+        """`keyed`: for a call's ids, which rows this party holds and the keys of those rows
+        (`TableRowKeys` of its table): a held row is filed under its id and its own values
         (`row_keys`), so the same row in another file (a scoring session's) shares its record
-        and another row under a reused id does not; None: under its id. `keyed`: both at once,
-        (held per id, the keys of the held rows), e.g. `TableRowKeys` of the party's table,
-        which keeps its keys; it replaces `holds` and `values`. `scoring`: the party
+        and another row under a reused id does not; the rows it lacks are filed as one
+        (`_filed_rows`). None: every row held, filed under its id. `scoring`: the party
         was started to score rows with its trained model (`securevfl party --score`, its own
         command line): it then refuses anything that would train or checkpoint
         (`_check_mode`)."""
@@ -672,8 +668,6 @@ class CallGuard:
         self.log: FamilyLog | None = None
         self.version: bytes | None = None
         self.binding: bytes | None = None  # of the call last authenticated (`authenticate`)
-        self.holds = holds
-        self.values = values
         self.keyed = keyed
         self.set_up_at: list[bytes] = []  # every version a set-up of this session started at
         self.seconds = 0.0  # time spent checking calls (reported with the party's stats)
@@ -822,20 +816,11 @@ class CallGuard:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return ids, ids
-        if self.keyed is not None:
-            held, keys = self.keyed(ids)
-            held = np.asarray(held, dtype=bool)
-            mine = ids if held.all() else ids[held]
-        else:
-            held = (
-                np.ones(len(ids), dtype=bool)
-                if self.holds is None
-                else np.asarray(self.holds(ids), dtype=bool)
-            )
-            mine = ids if held.all() else ids[held]
-            keys = (
-                mine if self.values is None or not len(mine) else row_keys(mine, self.values(mine))
-            )
+        if self.keyed is None:
+            return ids, ids
+        held, keys = self.keyed(ids)
+        held = np.asarray(held, dtype=bool)
+        mine = ids if held.all() else ids[held]
         if held.all():
             return keys, mine
         return np.concatenate([keys, WHOLE_CALL]), np.concatenate([mine, WHOLE_CALL])
