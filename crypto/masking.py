@@ -471,7 +471,14 @@ class MaskedSumParty:
         return self.mask_many({tensor: x}, round=round, group=group, out=out)[tensor]
 
     def bind(
-        self, masked: np.ndarray, *, round: int, group: Sequence[str], tensor: str, call: bytes
+        self,
+        masked: np.ndarray,
+        *,
+        round: int,
+        group: Sequence[str],
+        tensor: str,
+        call: bytes,
+        in_place: bool = False,
     ) -> np.ndarray:
         """Bind a masked contribution (:meth:`mask`'s output for ``round``, ``group``,
         ``tensor``) to the call it answers: add, for each of this party's two neighbours in
@@ -486,10 +493,14 @@ class MaskedSumParty:
         two independent keystreams: the sum is uniformly random in Z_2^64 and tells nothing.
         So an active party cannot hand the members of one sum different calls (other ids,
         inputs or arguments for each) and still read the sum. Refuses what :meth:`domain`
-        refuses and a ``call`` that is not 32 bytes."""
+        refuses and a ``call`` that is not 32 bytes. ``in_place``: add the streams into
+        ``masked`` itself (a writeable C-contiguous uint64 array the caller owns, e.g. what
+        :meth:`mask` returned) and return it: the same bits, no new array."""
         if not isinstance(call, bytes) or len(call) != 32:
             raise ValueError("call must be the 32-byte digest of the call being answered")
         masked = np.asarray(masked, dtype=np.uint64)
+        if in_place and not (masked.flags.c_contiguous and masked.flags.writeable):
+            raise ValueError("bind in place needs a writeable C-contiguous uint64 array")
         # the domain `mask` used (one tensor: a `MaskDomain`), checked and encoded then
         domain, domain_bytes, _, _ = self._resolve(round, group, {tensor: int(masked.size)})
         streams = self._bind_streams.get(domain.group)
@@ -500,6 +511,9 @@ class MaskedSumParty:
             streams = [(self._mask_key(peer), self.name < peer) for peer in neighbours]
             _keep_latest(self._bind_streams, domain.group, streams)
         nonce = stream_nonce(MASK_BIND_PREFIX + length_prefixed(domain_bytes) + call)
+        if in_place:
+            _add_streams(masked.reshape(-1), streams, nonce, self._ciphers)
+            return masked
         net = np.empty(masked.size, dtype=np.uint64)  # the new array returned
         _net_mask(net, streams, nonce, self._ciphers, np.uint64(0))
         np.add(net, masked.reshape(-1), out=net)
@@ -827,6 +841,35 @@ def _keystream_buffers(words: int, block_words: int) -> tuple[np.ndarray, np.nda
     block, and a uint8 buffer for the counter blocks of ``block_words`` words."""
     scratch = np.empty(words + (words & 1) + SLACK_WORDS, dtype=np.uint64)
     return scratch, np.empty(16 * ((block_words + 1) // 2), dtype=np.uint8)
+
+
+def _add_streams(
+    out: np.ndarray, streams: Sequence[tuple[bytes, bool]], nonce: bytes, ciphers: CounterStreams
+) -> None:
+    """Add (or subtract) each stream's keystream of ``nonce`` into ``out`` (flat uint64),
+    chunk by chunk while it is in cache."""
+    total = out.size
+    if total == 0 or not streams:
+        return
+    ctr = total > CTR_WORDS_PER_STREAM * len(streams)  # as in `_mask_range`
+    fills = [
+        (
+            ctr_stream(key, nonce, 0) if ctr else ciphers.encryptor(key),
+            np.add if add else np.subtract,
+        )
+        for key, add in streams
+    ]
+    chunk_words = min(MASK_CHUNK_WORDS, total)
+    keystream, blocks = _keystream_buffers(chunk_words, chunk_words)
+    keystream_bytes = keystream.view(np.uint8)
+    for start in range(0, total, MASK_CHUNK_WORDS):
+        stop = min(start + MASK_CHUNK_WORDS, total)
+        words = stop - start
+        chunk = out[start:stop]
+        counters = _stream_input(ctr, nonce, start, words, blocks)
+        for fill, combine in fills:
+            fill(counters, keystream_bytes)
+            combine(chunk, keystream[:words], out=chunk)
 
 
 def _net_mask(

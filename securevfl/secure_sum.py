@@ -349,7 +349,9 @@ class MaskParty(PartySumStage):
         self.ahead_used += self.masker.pending < pending  # it took masks made ahead
         self._note(round, group, key, int(x.size))
         if call is not None:  # the sum opens only if every member was sent this call
-            masked = self.masker.bind(masked, round=round, group=group, tensor=key, call=call)
+            masked = self.masker.bind(  # into the array `mask` just made for this call
+                masked, round=round, group=group, tensor=key, call=call, in_place=True
+            )
         return {key: masked}
 
 

@@ -119,7 +119,7 @@ class TableRowKeys:
         if made is None or made[0] is not t.ids or made[1] is not t.matrix:
             self._keys = row_keys(t.ids, t.matrix)
             self._made_for = (t.ids, t.matrix)
-        return held, self._keys[pos[held]]
+        return held, self._keys[pos if len(pos) and pos.min() >= 0 else pos[held]]
 
 
 def call_digest(
@@ -366,6 +366,11 @@ class FamilyLog:
             end = self._file.tell()
         self._file.truncate(end)  # a record cut short by a crash: its contribution never left
         self._file.seek(0, 2)
+        # records are appended through a descriptor of their own, unbuffered (one write call
+        # each: in the page cache when it returns); the buffered file above only reads
+        self._end = end
+        self._append = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._headers: dict[tuple, bytes] = {}  # (tensor, groups) -> their packed fields
 
     @classmethod
     def _record(cls, fields: Mapping[str, Any], ids: np.ndarray) -> bytes:
@@ -374,9 +379,16 @@ class FamilyLog:
         return cls._HEAD.pack(len(header), len(ids)) + header + ids.tobytes()
 
     def _write(self, fields: Mapping[str, Any], ids: np.ndarray) -> int:
-        offset = self._file.seek(0, 2)
-        self._file.write(self._record(fields, ids))
-        self._file.flush()  # in the page cache before the contribution is released
+        return self._write_bytes(self._record(fields, ids))
+
+    def _write_bytes(self, record: bytes) -> int:
+        """Append `record` (in the page cache before the contribution is released); returns
+        its offset."""
+        offset = self._end
+        view = memoryview(record)
+        while view:
+            view = view[os.write(self._append, view) :]
+        self._end = offset + len(record)
         return offset
 
     def _raw(self, offset: int) -> bytes:
@@ -387,10 +399,30 @@ class FamilyLog:
         return head + self._file.read(hbytes + 8 * count)
 
     def append(
-        self, version: bytes, tensor: str, groups: Iterable[frozenset[str]], ids: np.ndarray
+        self, version: bytes, tensor: str, groups: Sequence[frozenset[str]], ids: np.ndarray
     ) -> None:
-        fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
-        self._index.setdefault(version, []).append(self._write(fields, ids))
+        """Record that `ids` of `tensor` were summed over `groups` at `version`: the record
+        `_record` writes for ``{"v": version.hex(), "t": tensor, "g": sorted groups}``, its
+        header packed from the pieces (the tensor's and groups' part packed once)."""
+        if len(version) != 16:  # not a `model_digest`: the general path
+            fields = {"v": version.hex(), "t": tensor, "g": [sorted(g) for g in groups]}
+            self._index.setdefault(version, []).append(self._write(fields, ids))
+            return
+        key = (tensor, *groups)
+        tail = self._headers.get(key)
+        if tail is None:
+            packed = msgpack.packb(
+                {"v": "", "t": tensor, "g": [sorted(g) for g in groups]}, use_bin_type=True
+            )
+            assert packed[:4] == b"\x83\xa1v\xa0"  # a 3-entry map, then "v": ""
+            tail = self._headers[key] = packed[4:]
+            if len(self._headers) > 256:  # bounded: a method sums a few tensors and groups
+                self._headers.clear()
+        # "v": the version's 32 hex digits (a str of 32 bytes: 0xd9 0x20)
+        header = b"\x83\xa1v\xd9\x20" + version.hex().encode() + tail
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        record = self._HEAD.pack(len(header), len(ids)) + header + ids.tobytes()
+        self._index.setdefault(version, []).append(self._write_bytes(record))
 
     def pin(self, epoch: int, version: bytes) -> None:
         """The checkpoint of `epoch` holds the weights of `version`."""
@@ -433,6 +465,7 @@ class FamilyLog:
             out.flush()
             os.fsync(out.fileno())
         self._file.close()
+        os.close(self._append)
         os.replace(temp, self.path)
         self._open()
 
@@ -448,10 +481,12 @@ class FamilyLog:
             header = msgpack.unpackb(self._file.read(hbytes), raw=False)
             ids = np.frombuffer(self._file.read(8 * count), dtype="<i8").astype(np.int64)
             yield header["t"], [frozenset(g) for g in header["g"]], ids, bool(header.get("all"))
-        self._file.seek(0, 2)
 
     def close(self) -> None:
         self._file.close()
+        if self._append >= 0:
+            os.close(self._append)
+            self._append = -1
 
 
 _RAW_DIGEST_VALUES = 1 << 16  # CPU tensors up to this size are hashed byte for byte
@@ -481,8 +516,6 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes:
     declared = declare() if callable(declare) else None
     if declared is not None:
         return _state_digest(declared)
-    from securevfl.lazy import torch
-
     module_type = _module_type()
     found: dict[int, Any] = {}
 
@@ -496,8 +529,11 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes:
             for item in value.values():
                 visit(item, depth + 1)
 
-    for value in vars(method).values():
-        visit(value, 0)
+    for value in vars(method).values():  # depth 0 inline: most attributes are neither
+        if isinstance(value, module_type):
+            found.setdefault(id(value), value)
+        elif isinstance(value, list | tuple | dict):
+            visit(value, 0)
     if not found:
         return _ONE_VERSION
     plan = views.get(_PLAN) if views is not None else None
@@ -507,28 +543,40 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes:
             views.clear()
             views[_PLAN] = plan  # the plan keeps the byte views: none outlives its module
     h = hashlib.blake2b(digest_size=16)
+    update = h.update
+    cached_views = plan.views
     stats = []
     for i, (name, t) in enumerate(plan.tensors):
-        cached = plan.views[i]
-        if cached is not None and cached[0] == _layout(t):
-            h.update(cached[1])
-            h.update(cached[2])
+        cached = cached_views[i]
+        if cached is not None and cached[0] == (
+            t.data_ptr(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            t.device,
+        ):  # `_layout(t)`, inline
+            update(cached[1])
+            update(cached[2])
             continue
-        plan.views[i] = None
+        from securevfl.lazy import torch
+
+        cached_views[i] = None
         d = t.detach()
         head = f"{name}|{tuple(d.shape)}|{d.dtype}|".encode()
-        h.update(head)
+        update(head)
         ints = _INT_VIEW.get(d.element_size())
         if (d.device.type == "cpu" and d.numel() <= _RAW_DIGEST_VALUES) or ints is None:
             flat = d.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            h.update(flat)
+            update(flat)
             if views is not None and d.device.type == "cpu" and d.is_contiguous():
-                plan.views[i] = (_layout(t), head, flat)  # `flat` aliases t
+                cached_views[i] = (_layout(t), head, flat)  # `flat` aliases t
         else:  # its bytes as integers: an exact sum in any order
             v = d.contiguous().reshape(-1).view(getattr(torch, ints))
             stats.append(v.sum(dtype=torch.int64))
     if stats:
-        h.update(torch.stack(stats).cpu().numpy().tobytes())
+        from securevfl.lazy import torch
+
+        update(torch.stack(stats).cpu().numpy().tobytes())
     return h.digest()
 
 
@@ -820,10 +868,9 @@ class CallGuard:
             return ids, ids
         held, keys = self.keyed(ids)
         held = np.asarray(held, dtype=bool)
-        mine = ids if held.all() else ids[held]
         if held.all():
-            return keys, mine
-        return np.concatenate([keys, WHOLE_CALL]), np.concatenate([mine, WHOLE_CALL])
+            return keys, ids
+        return np.concatenate([keys, WHOLE_CALL]), np.concatenate([ids[held], WHOLE_CALL])
 
     def _check_call_groups(self, call: Any, mine: Sequence[Any]) -> None:
         """Refuse a call whose sums of one tensor this party contributes to, together with the

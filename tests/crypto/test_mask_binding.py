@@ -88,3 +88,28 @@ def test_bind_refuses_what_is_not_a_call_digest_or_a_group_it_may_sum_in():
         maskers["a"].bind(masked, round=1, group=("a", "b"), tensor="z", call=b"short")
     with pytest.raises(ValueError, match="not in the group"):
         maskers["a"].bind(masked, round=1, group=("b", "c"), tensor="z", call=call("c"))
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 70_001])
+def test_binding_in_place_gives_the_bits_of_binding_into_a_new_array(size):
+    """`bind(..., in_place=True)` (what a party's sum stage uses on the array `mask` made for
+    the call) adds the same streams into that array: bit for bit the new array of the
+    default, for sizes within one chunk, across chunks and past one CTR context per pair."""
+    _, maskers = parties(("a", "b", "c", "d"))
+    group = tuple(maskers)
+    x = np.random.default_rng(size).normal(size=size)
+    for round_, m in enumerate(maskers.values()):
+        masked = m.mask(x, round=round_, group=group, tensor="z")
+        fresh = m.bind(masked, round=round_, group=group, tensor="z", call=call("c"))
+        same = m.bind(masked, round=round_, group=group, tensor="z", call=call("c"), in_place=True)
+        assert same is masked and np.array_equal(same, fresh)
+
+
+def test_binding_in_place_refuses_an_array_it_may_not_write():
+    _, maskers = parties(("a", "b"))
+    masked = maskers["a"].mask(np.ones(4), round=1, group=("a", "b"), tensor="z")
+    masked.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable C-contiguous"):
+        maskers["a"].bind(
+            masked, round=1, group=("a", "b"), tensor="z", call=call("c"), in_place=True
+        )

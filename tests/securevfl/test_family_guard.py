@@ -6,6 +6,7 @@ keeps a plain dict of every row's groups."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -166,6 +167,33 @@ def test_the_family_log_drops_a_record_cut_short_and_goes_on(tmp_path):
     assert [i.tolist() for _, _, i, _ in log.records(b"v1")] == [[3, 1, 2], [7]]
     assert list(log.records(b"unknown")) == []
     log.close()
+
+
+def test_a_family_log_record_is_written_as_the_general_record_of_its_fields(tmp_path):
+    """`append` packs a model digest's record from pieces (the tensor's and groups' part
+    packed once): the bytes are exactly `_record` of the fields, for every version, and the
+    file reads back after a reopen."""
+    path = tmp_path / "families.log"
+    log = FamilyLog(path)
+    groups = [frozenset(("p1", "p2", "p3")), frozenset(("p2", "p4"))]
+    expected = b""
+    for i in range(3):
+        version = hashlib.blake2b(bytes([i]), digest_size=16).digest()
+        ids = np.arange(i, i + 5, dtype=np.int64)
+        log.append(version, "rep", groups, ids)
+        fields = {"v": version.hex(), "t": "rep", "g": [sorted(g) for g in groups]}
+        expected += FamilyLog._record(fields, ids)
+    log.append(b"short", "rep", groups[:1], np.array([9]))  # not a digest: the general path
+    expected += FamilyLog._record(
+        {"v": b"short".hex(), "t": "rep", "g": [["p1", "p2", "p3"]]}, np.array([9])
+    )
+    log.close()
+    assert path.read_bytes() == expected
+    reopened = FamilyLog(path)
+    version = hashlib.blake2b(bytes([2]), digest_size=16).digest()
+    ((tensor, got, ids, everywhere),) = list(reopened.records(version))
+    assert (tensor, got, ids.tolist(), everywhere) == ("rep", groups, [2, 3, 4, 5, 6], False)
+    reopened.close()
 
 
 def test_a_checkpoint_keeps_the_rows_of_the_versions_a_session_starts_at_and_folds_the_rest(
