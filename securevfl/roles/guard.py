@@ -119,7 +119,7 @@ class TableRowKeys:
         if made is None or made[0] is not t.ids or made[1] is not t.matrix:
             self._keys = row_keys(t.ids, t.matrix)
             self._made_for = (t.ids, t.matrix)
-        return held, self._keys[pos if len(pos) and pos.min() >= 0 else pos[held]]
+        return held, self._keys[pos if held.all() else pos[held]]
 
 
 def call_digest(
@@ -369,7 +369,7 @@ class FamilyLog:
         # records are appended through a descriptor of their own, unbuffered (one write call
         # each: in the page cache when it returns); the buffered file above only reads
         self._end = end
-        self._append = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self._append = self.path.open("ab", buffering=0)
         self._headers: dict[tuple, bytes] = {}  # (tensor, groups) -> their packed fields
 
     @classmethod
@@ -387,7 +387,7 @@ class FamilyLog:
         offset = self._end
         view = memoryview(record)
         while view:
-            view = view[os.write(self._append, view) :]
+            view = view[self._append.write(view) :]
         self._end = offset + len(record)
         return offset
 
@@ -465,7 +465,7 @@ class FamilyLog:
             out.flush()
             os.fsync(out.fileno())
         self._file.close()
-        os.close(self._append)
+        self._append.close()
         os.replace(temp, self.path)
         self._open()
 
@@ -484,9 +484,7 @@ class FamilyLog:
 
     def close(self) -> None:
         self._file.close()
-        if self._append >= 0:
-            os.close(self._append)
-            self._append = -1
+        self._append.close()
 
 
 _RAW_DIGEST_VALUES = 1 << 16  # CPU tensors up to this size are hashed byte for byte
@@ -548,13 +546,7 @@ def model_digest(method: Any, *, views: dict | None = None) -> bytes:
     stats = []
     for i, (name, t) in enumerate(plan.tensors):
         cached = cached_views[i]
-        if cached is not None and cached[0] == (
-            t.data_ptr(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-            t.device,
-        ):  # `_layout(t)`, inline
+        if cached is not None and cached[0] == _layout(t):
             update(cached[1])
             update(cached[2])
             continue
