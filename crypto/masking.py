@@ -880,33 +880,10 @@ def _net_mask(
     shift: np.uint64,
 ) -> None:
     """Write this party's whole mask minus ``shift`` (the sum of +-keystreams) into ``net``."""
-    total = net.size
-    if total == 0:
+    if net.size == 0:
         return
-    ordered = sorted(streams, key=lambda stream: not stream[1])  # an added stream first
-    negate = not ordered[0][1]  # every stream is subtracted: sum them, negate at the end
-    ctr = total > CTR_WORDS_PER_STREAM * len(ordered)  # as in `_mask_range`
-    fills = [ctr_stream(key, nonce, 0) if ctr else ciphers.encryptor(key) for key, _ in ordered]
-    combines = [np.add if add or negate else np.subtract for _, add in ordered[1:]]
-    # -shift - sum, in one pass: np.subtract(minus_shift, chunk)
-    minus_shift = np.uint64((-int(shift)) % (1 << 64))
-    chunk_words = min(MASK_CHUNK_WORDS, total)
-    keystream, blocks = _keystream_buffers(chunk_words, chunk_words)
-    keystream_bytes = keystream.view(np.uint8)
-    for start in range(0, total, MASK_CHUNK_WORDS):
-        stop = min(start + MASK_CHUNK_WORDS, total)
-        words = stop - start
-        chunk = net[start:stop]
-        counters = _stream_input(ctr, nonce, start, words, blocks)
-        fills[0](counters, keystream_bytes)
-        np.copyto(chunk, keystream[:words])
-        for fill, combine in zip(fills[1:], combines, strict=True):
-            fill(counters, keystream_bytes)
-            combine(chunk, keystream[:words], out=chunk)
-        if negate:
-            np.subtract(minus_shift, chunk, out=chunk)
-        elif shift:
-            np.subtract(chunk, shift, out=chunk)
+    net.fill(np.uint64((-int(shift)) % (1 << 64)))
+    _add_streams(net, streams, nonce, ciphers)
 
 
 class MaskedSumAggregator:
