@@ -173,6 +173,8 @@ MAX_PREPARED_ZEROS = 4096
 _MAX_PRIME_BITS = 60
 # Below 20 bits of scale the decrypted sum loses the precision the protocols rely on.
 _MIN_SCALE_BITS = 20
+# SEAL_CIPHERTEXT_SIZE_MAX: the most polynomials one SEAL ciphertext holds.
+_MAX_CT_SIZE = 16
 # Room for SEAL/protobuf headers on top of the raw ciphertext size.
 _CHUNK_OVERHEAD_BYTES = 4096
 
@@ -721,6 +723,25 @@ class _SealSetup:
         encrypts to ``secret_key``. Built as SEAL's own uncompressed serialisation of the first
         ``degree * data primes`` coefficients (NTT form, one block per prime) and loaded by SEAL,
         which checks it; through an anonymous memfd, never a named file."""
+        plaintext = self._data_secret_bytes(secret_key, self.enc.key_parms_id())
+        key = sealapi.SecretKey()
+        _seal_load(lambda path: key.load(self.enc, path), plaintext)
+        return key
+
+    def data_secret_plain(self, secret_key: Any) -> Any:
+        """The same restriction of ``secret_key`` as a plaintext of ``seal`` at the data level
+        (NTT form, scale 1): what :meth:`_CkksCodec.decrypt_coefficients` multiplies the
+        summed second polynomials by. Loaded by SEAL, which checks it; through an anonymous
+        memfd, never a named file; it stays with the key holder."""
+        plain = sealapi.Plaintext()
+        data = self._data_secret_bytes(secret_key, self.seal.first_parms_id())
+        _seal_load(lambda path: plain.load(self.seal, path), data)
+        return plain
+
+    def _data_secret_bytes(self, secret_key: Any, parms_id: Any) -> bytes:
+        """SEAL's uncompressed serialisation of a plaintext at ``parms_id`` (NTT form, scale
+        1) holding the first ``degree * data primes`` coefficients of ``secret_key`` (one block
+        per prime, data primes first)."""
         degree, primes = self.params.poly_modulus_degree, self.params.data_primes
         plain = secret_key.data()
         count = degree * primes
@@ -732,14 +753,9 @@ class _SealSetup:
 
         array = struct.pack("<Q", count) + words.tobytes()
         plaintext = (
-            struct.pack("<4Q", *self.enc.key_parms_id())
-            + struct.pack("<Qd", count, 1.0)
-            + framed(array)
-            + array
+            struct.pack("<4Q", *parms_id) + struct.pack("<Qd", count, 1.0) + framed(array) + array
         )
-        key = sealapi.SecretKey()
-        _seal_load(lambda path: key.load(self.enc, path), framed(plaintext) + plaintext)
-        return key
+        return framed(plaintext) + plaintext
 
     def encryptor(self) -> Any:
         """An encryptor under the public key (set ``public_key`` first)."""
@@ -754,8 +770,10 @@ class _CkksCodec:
     coefficient ``i`` of the plaintext polynomial, times the scale, and ciphertexts stay in
     coefficient form (SEAL's encryptions of zero are taken out of NTT form once, where they are
     made): a contribution is its encryption of zero with the rounded, scaled values added to
-    the first polynomial modulo the prime, with no encoder at all; the key holder brings the
-    sum into NTT form, decrypts, and takes the plaintext back out of it (:meth:`decrypt_values`).
+    the first polynomial modulo the prime, with no encoder at all; the key holder computes
+    ``c0 + c1 * s`` with only the second polynomials in NTT form (:meth:`decrypt_coefficients`;
+    a chunk in SEAL's format is brought into NTT form whole and decrypted by SEAL's
+    Decryptor, :meth:`decrypt_values`).
     In the slot encoding two real values share one complex CKKS slot (value ``2j`` in the real
     part, ``2j + 1`` in the imaginary part), twice what TenSEAL's real-only vectors carry, for
     the same bytes and nearly the same encryption time; SEAL's encoder maps them to the
@@ -944,6 +962,43 @@ class _CkksCodec:
         q = self._moduli[0]
         centred = residues - np.where(residues > q // 2, np.int64(q), np.int64(0))
         return centred / self._scale
+
+    def decrypt_coefficients(
+        self, chunks: Sequence[np.ndarray], secret: Any, out: np.ndarray
+    ) -> None:
+        """Decrypt summed chunks given as their checked (2, 1, degree) coefficients (the
+        coefficient encoding; :meth:`load_coefficients`) with ``secret``, the key holder's
+        secret as a data-level NTT plaintext (:meth:`_SealSetup.data_secret_plain`), into
+        ``out`` (float64, ``len(chunks) * degree`` values or fewer: the last chunk's first
+        ones). The same numbers as :meth:`decrypt_values`, bit for bit: ``c0 + c1 * s`` modulo
+        the prime, centred and divided by the scale; but only the second polynomials go into
+        and out of NTT form, up to `_MAX_CT_SIZE` of them in one SEAL ciphertext (one
+        transform each way instead of two per chunk), and ``c0`` is added in coefficient form."""
+        assert self._access is not None and self.encoding == ENCODING_COEFFICIENTS
+        n = self._params.poly_modulus_degree
+        q = self._moduli[0]
+        for first in range(0, len(chunks), _MAX_CT_SIZE):
+            group = chunks[first : first + _MAX_CT_SIZE]
+            # a ciphertext of len(group) polynomials (at least 2), coefficient form, scale 1
+            ct = sealapi.Ciphertext(self.seal)
+            ct.resize(self.seal, self._first_parms_id, max(len(group), 2))
+            polys = self._access.view(ct)
+            for i, coeffs in enumerate(group):
+                polys[i] = coeffs[1]
+            if len(group) == 1:
+                polys[1] = polys[0]  # SEAL refuses a ciphertext whose second polynomial is 0
+            self.evaluator.transform_to_ntt_inplace(ct)
+            self.evaluator.multiply_plain_inplace(ct, secret)  # each polynomial times s
+            self.evaluator.transform_from_ntt_inplace(ct)
+            products = self._access.view(ct)[: len(group), 0, :]  # c1 * s, below q
+            for i, coeffs in enumerate(group):
+                np.add(products[i], coeffs[0, 0], out=products[i])  # both below q < 2^60
+            np.minimum(products, products - np.uint64(q), out=products)
+            signed = products.view(np.int64)
+            np.subtract(signed, np.int64(q), out=signed, where=products > np.uint64(q // 2))
+            start = first * n
+            stop = min(start + len(group) * n, out.size)
+            np.divide(signed.reshape(-1)[: stop - start], self._scale, out=out[start:stop])
 
     def _carrier(self) -> Any:
         """An NTT-form ciphertext of this context whose first polynomial is zero."""
@@ -1540,6 +1595,11 @@ class CkksKeyHolder:
         setup.public_key = public_key
         self._codec = _CkksCodec(setup, wire=None)
         self._decryptor = sealapi.Decryptor(setup.seal, secret_key)
+        # the coefficient encoding decrypts raw chunks with the secret as a plaintext
+        # (_CkksCodec.decrypt_coefficients); it never leaves this object either
+        self._secret_plain: Any = None
+        if params.encoding == ENCODING_COEFFICIENTS:
+            self._secret_plain = setup.data_secret_plain(secret_key)
         self._public_bytes = _pack_public(
             [
                 (_TAG_META, _META.pack(params.scale_bits, int(params.special_prime))),
@@ -1609,8 +1669,14 @@ class CkksKeyHolder:
             raise CkksError(
                 f"shape {shape} has {size} values but the ciphertexts carry {packed.length}."
             )
-        ciphertexts = self._codec.load_all(packed, what="sum")
         out = np.empty(size, dtype=np.float64)
+        coefficients = self._raw_sum(packed)
+        if coefficients is not None:
+            self._codec.decrypt_coefficients(coefficients, self._secret_plain, out)
+            if release is not None:
+                out = release.apply(out, self.params, terms=terms, normals=normals)
+            return out.reshape(shape)
+        ciphertexts = self._codec.load_all(packed, what="sum")
         for i, ct in enumerate(ciphertexts):
             start = i * self.slots
             count = _chunk_length(i, size, self.slots)
@@ -1618,6 +1684,27 @@ class CkksKeyHolder:
         if release is not None:
             out = release.apply(out, self.params, terms=terms, normals=normals)
         return out.reshape(shape)
+
+    def _raw_sum(self, packed: PackedCiphertexts) -> list[np.ndarray] | None:
+        """The checked coefficients of every chunk of a sum (:meth:`_CkksCodec.
+        load_coefficients`: every check of a load) where the coefficient encoding can decrypt
+        them without SEAL ciphertexts; None where a chunk is in SEAL's format (then the chunks
+        are loaded as ciphertexts)."""
+        codec = self._codec
+        if self._secret_plain is None:
+            return None
+        codec.check_layout(packed, what="sum")
+        chunks = []
+        for i, chunk in enumerate(packed.chunks):
+            loaded = codec.load_coefficients(
+                chunk,
+                expected_len=_chunk_length(i, packed.length, self.slots),
+                what=f"sum chunk {i}",
+            )
+            if loaded is None:
+                return None
+            chunks.append(loaded[0])
+        return chunks
 
 
 class CkksPublic:

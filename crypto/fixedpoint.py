@@ -18,12 +18,24 @@ import math
 
 import numpy as np
 
-__all__ = ["FixedPointEncoder", "FixedPointOverflow", "SumDidNotCancel", "ENCODE_CHUNK_WORDS"]
+__all__ = [
+    "FixedPointEncoder",
+    "FixedPointOverflow",
+    "SumDidNotCancel",
+    "ENCODE_CHUNK_WORDS",
+    "NARROW_DETECTION_BITS",
+]
 
 # Work in chunks that stay in L2 cache: the input chunk plus the output chunk.
 ENCODE_CHUNK_WORDS = 1 << 15
 
 _RING_SIGNED_MAX = (1 << 63) - 1
+_RING32_SIGNED_MAX = (1 << 31) - 1
+#: A sum goes in the 32-bit ring only if a sum whose masks did not cancel (uniform in Z_2^32)
+#: would pass :meth:`FixedPointEncoder.decode`'s range check with probability at most
+#: 2**-NARROW_DETECTION_BITS (every element must pass), as in the 64-bit ring for any sum of
+#: two or more values.
+NARROW_DETECTION_BITS = 128
 # x + 1.5 * 2**(52 - f) stays in one binade (spacing 2**-f) while |x * 2**f| <= 2**51.
 _MAGIC_LIMIT = 1 << 51
 _ON_OVERFLOW_MODES = ("raise", "clip")
@@ -98,6 +110,30 @@ class FixedPointEncoder:
     def max_terms(self) -> int:
         """How many values with ``|x| <= bound`` can be summed in the ring without wrapping."""
         return _RING_SIGNED_MAX // self._bound_int
+
+    def ring_dtype(self, *, terms: int, size: int) -> np.dtype:
+        """The ring a masked sum of ``terms`` contributions of ``size`` values each travels
+        in: ``uint32`` (Z_2^32, half the bytes) where such a sum cannot wrap 32 bits
+        (``terms * bound * 2**frac_bits < 2**31``) and a sum whose masks did not cancel would
+        still be caught by :meth:`decode` except with probability below
+        ``2**-NARROW_DETECTION_BITS``; else ``uint64``. Every role computes it from the same
+        encoder, group and size, so a sender, the aggregator and the key holder agree on it.
+
+        A contribution in Z_2^32 is the Z_2^64 one (encoding, masks, binding) reduced mod 2^32
+        (:meth:`narrow`): reduction commutes with addition, so the masks still cancel, and the
+        low 32 bits of a uniform mask are uniform, so it still hides the value."""
+        limit = terms * self._bound_int
+        if terms < 1 or size < 1 or limit > _RING32_SIGNED_MAX:
+            return np.dtype(np.uint64)
+        passing = (2 * limit + 1) / 2.0**32  # of one uniform element, by the range check
+        if size * -math.log2(passing) < NARROW_DETECTION_BITS:
+            return np.dtype(np.uint64)
+        return np.dtype(np.uint32)
+
+    @staticmethod
+    def narrow(ring64: np.ndarray) -> np.ndarray:
+        """Z_2^64 elements reduced mod 2^32: a new uint32 array (see :meth:`ring_dtype`)."""
+        return np.asarray(ring64, dtype=np.uint64).astype(np.uint32)
 
     def encode(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         """Encode a real array as uint64 ring elements of the same shape.
@@ -190,30 +226,37 @@ class FixedPointEncoder:
             "(on_overflow='clip')"
         )
 
-    def check_terms(self, terms: int) -> None:
-        """Refuse a number of summands whose worst-case sum would wrap the ring."""
+    def check_terms(self, terms: int, *, ring_bits: int = 64) -> None:
+        """Refuse a number of summands whose worst-case sum would wrap the ring (Z_2^64, or
+        Z_2^32 with ``ring_bits=32``)."""
         if isinstance(terms, bool) or not isinstance(terms, int) or terms < 1:
             raise ValueError(f"terms must be a positive int, got {terms!r}")
-        if terms > self.max_terms():
+        most = self.max_terms() if ring_bits == 64 else _RING32_SIGNED_MAX // self._bound_int
+        if terms > most:
             raise FixedPointOverflow(
-                f"a sum of {terms} values each bounded by {self.bound:g} can exceed the ring "
-                f"(at most {self.max_terms()} terms fit with frac_bits={self.frac_bits}); "
-                "lower the bound or frac_bits"
+                f"a sum of {terms} values each bounded by {self.bound:g} can exceed the "
+                f"{ring_bits}-bit ring (at most {most} terms fit with "
+                f"frac_bits={self.frac_bits}); lower the bound or frac_bits"
             )
 
     def decode(self, v: np.ndarray, *, terms: int = 1) -> np.ndarray:
-        """Decode uint64 ring elements (a sum of ``terms`` encoded values) to float64.
+        """Decode ring elements (a sum of ``terms`` encoded values) to float64: uint64 (Z_2^64)
+        or uint32 (Z_2^32, :meth:`ring_dtype`).
 
         Raises :class:`SumDidNotCancel` if any element lies outside ``terms * bound`` (plus the
         rounding slack of each term): such a value cannot be a sum of ``terms`` encodings, so
-        pairwise masks did not cancel. Refuses non-uint64 input (TypeError) and a ``terms``
-        whose worst-case sum would wrap the ring (:class:`FixedPointOverflow`).
+        pairwise masks did not cancel. Refuses input of another dtype (TypeError) and a
+        ``terms`` whose worst-case sum would wrap the ring (:class:`FixedPointOverflow`).
         """
         v = np.asarray(v)
-        if v.dtype != np.uint64:
-            raise TypeError(f"decode expects uint64 ring elements, got dtype {v.dtype}")
-        self.check_terms(terms)
-        signed = v.view(np.int64)
+        if v.dtype == np.uint32:
+            self.check_terms(terms, ring_bits=32)
+            signed = v.view(np.int32)
+        elif v.dtype == np.uint64:
+            self.check_terms(terms)
+            signed = v.view(np.int64)
+        else:
+            raise TypeError(f"decode expects uint64 or uint32 ring elements, got dtype {v.dtype}")
         limit = terms * self._bound_int
         if signed.size:
             lo, hi = int(signed.min()), int(signed.max())

@@ -887,17 +887,27 @@ def _net_mask(
 
 
 class MaskedSumAggregator:
-    """Aggregator-side stage: holds no keys; adds masked contributions in Z_2^64."""
+    """Aggregator-side stage: holds no keys; adds masked contributions in Z_2^64 (or in
+    Z_2^32, for sums whose contributions were narrowed: `FixedPointEncoder.ring_dtype`)."""
 
     @staticmethod
-    def add(contributions: Mapping[str, np.ndarray], *, group: Sequence[str]) -> np.ndarray:
-        """Sum the masked contributions of exactly ``group``; a new uint64 array.
+    def add(
+        contributions: Mapping[str, np.ndarray],
+        *,
+        group: Sequence[str],
+        ring: np.dtype | type = np.uint64,
+    ) -> np.ndarray:
+        """Sum the masked contributions of exactly ``group`` in the ring of ``ring`` (uint64,
+        or uint32 for Z_2^32); a new array of that dtype.
 
         Refuses (:class:`MissingContributorError`) contributions whose senders are not exactly
         the group, naming who is missing and who is unexpected; refuses (ValueError, naming the
-        sender) a contribution that is not a uint64 array or whose shape differs from the
-        others; refuses duplicate names and a group of one.
+        sender) a contribution that is not an array of ``ring``'s dtype or whose shape differs
+        from the others; refuses duplicate names and a group of one.
         """
+        ring = np.dtype(ring)
+        if ring not in (np.dtype(np.uint64), np.dtype(np.uint32)):
+            raise ValueError(f"ring must be uint64 or uint32, got {ring}")
         members = _check_group(group)
         if len(members) < 2:
             raise ValueError(
@@ -914,10 +924,10 @@ class MaskedSumAggregator:
         reference_shape: tuple[int, ...] | None = None
         for sender in ordered:
             contribution = contributions[sender]
-            if not isinstance(contribution, np.ndarray) or contribution.dtype != np.uint64:
+            if not isinstance(contribution, np.ndarray) or contribution.dtype != ring:
                 got = getattr(contribution, "dtype", type(contribution).__name__)
                 raise ValueError(
-                    f"the contribution from {sender!r} is not a uint64 masked array (got {got})"
+                    f"the contribution from {sender!r} is not a {ring} masked array (got {got})"
                 )
             if reference_shape is None:
                 reference_shape = contribution.shape
@@ -926,7 +936,7 @@ class MaskedSumAggregator:
                     f"the contribution from {sender!r} has shape {contribution.shape}, but the "
                     f"one from {reference_name!r} has shape {reference_shape}"
                 )
-        total = np.array(contributions[reference_name], dtype=np.uint64, order="C", copy=True)
+        total = np.array(contributions[reference_name], dtype=ring, order="C", copy=True)
         for sender in ordered[1:]:
             np.add(total, contributions[sender], out=total)
         return total

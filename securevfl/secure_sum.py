@@ -352,25 +352,49 @@ class MaskParty(PartySumStage):
             masked = self.masker.bind(  # into the array `mask` just made for this call
                 masked, round=round, group=group, tensor=key, call=call, in_place=True
             )
+        if self.encoder.ring_dtype(terms=len(group), size=int(x.size)) == np.uint32:
+            masked = self.encoder.narrow(masked)  # half the bytes; the masks still cancel
         return {key: masked}
+
+
+def _ring(encoder: FixedPointEncoder, group: Sequence[str], size: int) -> np.dtype:
+    """The ring of a masked sum of ``group`` over ``size`` values (`MaskParty.protect`): a
+    group of one is encoded, not masked, and stays in Z_2^64."""
+    if len(group) == 1:
+        return np.dtype(np.uint64)
+    return encoder.ring_dtype(terms=len(group), size=size)
 
 
 class MaskAggregator(AggregatorSumStage):
     backend = "mask"
 
+    def __init__(self, s: SumSession) -> None:
+        super().__init__(s)
+        self.encoder = _encoder(s)
+
     def accept(self, arrays, *, key, sender):
         a = _one(arrays, key, sender)
-        if a.dtype != np.uint64:
+        if a.dtype != np.uint64 and a.dtype != np.uint32:
             raise ContributionError(
-                f"{sender}: masked contribution to {key!r} is {a.dtype}, not uint64 ring elements"
+                f"{sender}: masked contribution to {key!r} is {a.dtype}, not uint64 or uint32 "
+                "ring elements"
             )
         return a
 
     def combine_accepted(self, accepted, *, group, key):
         _check_members(accepted, group, key)
+        size = next(iter(accepted.values())).size
+        ring = _ring(self.encoder, group, size)
+        for sender in sorted(accepted):
+            if accepted[sender].dtype != ring:
+                raise ContributionError(
+                    f"{sender}: masked contribution to {key!r} is {accepted[sender].dtype}; a "
+                    f"sum of {len(group)} contributions of {size} values with this session's "
+                    f"encoding travels as {ring}"
+                )
         if len(group) == 1:  # explicit min_group = 1: nothing to add
             return {key: np.array(accepted[group[0]], dtype=np.uint64)}
-        return {key: MaskedSumAggregator.add(dict(accepted), group=group)}
+        return {key: MaskedSumAggregator.add(dict(accepted), group=group, ring=ring)}
 
 
 class MaskActive(ActiveSumStage):
@@ -382,6 +406,12 @@ class MaskActive(ActiveSumStage):
 
     def reveal(self, combined, *, group, key, shape):
         total = _one(combined, key, "aggregator")
+        ring = _ring(self.encoder, group, int(np.prod(shape)))
+        if total.dtype != ring:
+            raise ValueError(
+                f"the masked sum is {total.dtype}; a sum of {len(group)} contributions of "
+                f"{int(np.prod(shape))} values with this session's encoding is {ring}"
+            )
         return self.encoder.decode(total, terms=len(group)).reshape(shape)
 
 

@@ -29,7 +29,9 @@ import numpy as np
 from transport.errors import one_line, quote
 
 PROTOCOL_VERSION = 1
-ALLOWED_DTYPES = frozenset({"float32", "float64", "int32", "int64", "uint64", "uint8", "bool"})
+ALLOWED_DTYPES = frozenset(
+    {"float32", "float64", "int32", "int64", "uint64", "uint32", "uint8", "bool"}
+)
 
 HEADER_FIELDS = frozenset(
     {"version", "kind", "sender", "session", "round", "seq", "meta", "tensors"}

@@ -350,7 +350,17 @@ class Release:
 #: training split-NN on Credit at 10x the default learning rate (108; 23 at the default), and
 #: one data prime for sums of up to 8 parties and the active party.
 REPRESENTATION_MAGNITUDE = 4096.0
-REPRESENTATION_SECURE_DEFAULTS = (("ckks.magnitude", REPRESENTATION_MAGNITUDE),)
+#: The fixed-point bits after the point of those methods' masked sums (``[secure] frac_bits``
+#: unless the config sets it), with ``[secure] bound`` = `REPRESENTATION_MAGNITUDE`: 28 bits a
+#: value, so a representation sum of up to 7 contributions travels in the 32-bit ring
+#: (`crypto.fixedpoint.FixedPointEncoder.ring_dtype`: half the bytes of Z_2^64) at a
+#: resolution of 2**-16 (the CKKS release keeps 12 bits, `[secure] ckks.precision_bits`).
+REPRESENTATION_FRAC_BITS = 16
+REPRESENTATION_SECURE_DEFAULTS = (
+    ("ckks.magnitude", REPRESENTATION_MAGNITUDE),
+    ("bound", REPRESENTATION_MAGNITUDE),
+    ("frac_bits", REPRESENTATION_FRAC_BITS),
+)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,62 @@ def test_the_key_holders_decryption_leaves_the_carrier_as_it_was(keys) -> None:
     assert isinstance(carrier, sealapi.Ciphertext)
 
 
+def _seal_decryption(holder: CkksKeyHolder, packed: PackedCiphertexts) -> np.ndarray:
+    """The sum decrypted chunk by chunk through SEAL's Decryptor (the path before the key
+    holder decrypted raw sums itself)."""
+    codec = holder._codec
+    cts = codec.load_all(packed, what="sum")
+    counts = [min(codec.slots, packed.length - i * codec.slots) for i in range(len(cts))]
+    return np.concatenate(
+        [codec.decrypt_values(ct, holder._decryptor, n) for ct, n in zip(cts, counts, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("length", [1, 9, 4096, 4096 + 9, 16 * 4096 + 1])
+def test_raw_sums_decrypt_bit_for_bit_as_seals_decryptor_does(keys, monkeypatch, length) -> None:
+    # only the second polynomials go through NTT form, up to 16 in one SEAL ciphertext: the
+    # same residues c0 + c1 * s mod q, so the same floats (17 chunks: two SEAL ciphertexts)
+    holder, public = keys
+    rng = np.random.default_rng(length)
+    xs = [rng.uniform(-800, 800, length) for _ in range(3)]
+    total = public.add([public.encrypt(x) for x in xs])
+    expected = _seal_decryption(holder, total)
+    with monkeypatch.context() as m:  # the raw path loads no SEAL ciphertext at all
+        m.setattr(holder._codec, "load_all", lambda *a, **k: pytest.fail("loaded ciphertexts"))
+        out = holder.decrypt_sum(total, shape=(length,))
+    assert out.dtype == np.float64 and np.array_equal(out, expected)
+    assert np.max(np.abs(out - np.sum(xs, axis=0))) <= error_bound(CREDIT, terms=3)
+
+
+def test_a_sum_in_seals_format_is_decrypted_through_seals_decryptor(keys, monkeypatch) -> None:
+    holder, _ = keys
+    seal = CkksPublic(context_bytes=holder.public_context_bytes(), wire="seal")
+    x = np.linspace(-100, 100, 4096 + 3)
+    packed = seal.encrypt(x)
+    assert packed.chunks[0][4:6] == b"\x5e\xa1"
+    monkeypatch.setattr(
+        holder._codec, "decrypt_coefficients", lambda *a, **k: pytest.fail("raw path taken")
+    )
+    out = holder.decrypt_sum(packed, shape=(x.size,))
+    assert np.max(np.abs(out - x)) <= error_bound(CREDIT, terms=1)
+
+
+def test_the_raw_decryption_refuses_a_sum_the_checks_of_a_load_refuse(keys) -> None:
+    holder, public = keys
+    chunk = public.encrypt(np.ones(4)).chunks[0]
+    q = public._codec._moduli[0]
+    body = 4 + 4 + 32  # count, magic, parms_id; then 7 bytes a coefficient
+    above = bytearray(chunk)
+    above[body : body + 7] = (q + 1).to_bytes(7, "little")  # a coefficient not below q
+    transparent = bytearray(chunk)
+    transparent[body + 4096 * 7 :] = bytes(4096 * 7)  # the second polynomial zero
+    for bad, why in ((above, "not below its prime"), (transparent, "transparent")):
+        with pytest.raises(CkksError, match=why):
+            holder.decrypt_sum(PackedCiphertexts([bytes(bad)], 4), shape=(4,))
+    with pytest.raises(CkksError, match="carries 4 values; 3 were expected"):
+        holder.decrypt_sum(PackedCiphertexts([chunk], 3), shape=(3,))
+
+
 # --- the encryptions of zero made here (`_ZeroMaker`) ------------------------------------------
 
 

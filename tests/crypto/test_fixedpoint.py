@@ -120,7 +120,7 @@ def test_max_terms_is_the_largest_sum_that_cannot_wrap() -> None:
     encoder = FixedPointEncoder(frac_bits=20, bound=2.0**20)
     assert encoder.max_terms() == (2**63 - 1) // 2**40
     encoder.check_terms(encoder.max_terms())
-    with pytest.raises(FixedPointOverflow, match="can exceed the ring"):
+    with pytest.raises(FixedPointOverflow, match="can exceed the 64-bit ring"):
         encoder.check_terms(encoder.max_terms() + 1)
 
 
@@ -155,7 +155,7 @@ def test_decode_refuses_values_out_of_range() -> None:
 
 def test_decode_refuses_too_many_terms_and_non_uint64() -> None:
     encoder = FixedPointEncoder()
-    with pytest.raises(FixedPointOverflow, match="exceed the ring"):
+    with pytest.raises(FixedPointOverflow, match="exceed the 64-bit ring"):
         encoder.decode(np.zeros(1, dtype=np.uint64), terms=encoder.max_terms() + 1)
     with pytest.raises(ValueError, match="positive int"):
         encoder.decode(np.zeros(1, dtype=np.uint64), terms=0)

@@ -335,7 +335,7 @@ def test_party_refuses_a_group_larger_than_the_ring_can_sum() -> None:
     alice = MaskedSumParty(
         name="alice", keypair=KEYS["alice"], peer_publics=PUBLICS, session=b"s", encoder=tight
     )
-    with pytest.raises(ValueError, match="exceed the ring"):
+    with pytest.raises(ValueError, match="exceed the 64-bit ring"):
         alice.mask(np.zeros(2), round=0, group=ROSTER[:4], tensor="h")
 
 

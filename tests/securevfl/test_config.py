@@ -35,7 +35,9 @@ def test_valid_config_parses_with_defaults():
     assert cfg.party_names == ("a", "b")
     assert cfg.role_names == ("active", "a", "b")
     assert cfg.data_path == Path("/tmp/x/data.csv")
-    assert cfg.min_group == 2 and cfg.frac_bits == 20
+    # split-NN declares its representation sums' encoding (16 bits after the point, |x| <=
+    # 4096: the 32-bit ring); the config's own default is 20 bits and 2^20
+    assert cfg.min_group == 2 and (cfg.frac_bits, cfg.bound) == (16, 4096.0)
 
 
 @pytest.mark.parametrize(

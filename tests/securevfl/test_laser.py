@@ -280,14 +280,15 @@ def test_masked_subset_sums_decode_to_the_plaintext_subset_sums(tmp_path):
     assert len(groups) > 4  # many different subsets
     assert all(len(g) >= 2 for g in groups)  # singletons were skipped, never asked
     for spec, plain, decoded in fed.sums:
-        np.testing.assert_allclose(decoded, plain, atol=len(spec.group) * 2.0**-19)
+        # LASER-VFL declares split-NN's encoding: 16 bits after the point
+        np.testing.assert_allclose(decoded, plain, atol=len(spec.group) * 2.0**-17)
     # one call per batch carries every sampled subset's sum
     forwards = [c for c in fed.calls if c[0] == "forward"]
     assert max(len(c[2]) for c in forwards) > 1
     # the aggregator saw ring elements, not representations
     spec, views = fed.seen[0]
     for arr in views.values():
-        assert arr.dtype == np.uint64
+        assert arr.dtype in (np.uint32, np.uint64)  # the ring of the sum's size
 
 
 def test_secure_mode_skips_terms_it_cannot_sum_safely_and_logs_the_count(tmp_path):

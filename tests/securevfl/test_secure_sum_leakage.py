@@ -44,9 +44,13 @@ def _capture(monkeypatch, aggregation: str, raw, d):
     )
 
 
+# split-NN's representation sums: 16 bits after the point, in Z_2^32 (its declared encoding)
+FRAC_BITS = 16
+
+
 def _as_signed_fixed_point(v: np.ndarray) -> np.ndarray:
     """The best guess an aggregator can make: read ring elements as signed fixed point."""
-    return v.view(np.int64).astype(np.float64) / 2.0**20
+    return v.view(np.int32).astype(np.float64) / 2.0**FRAC_BITS
 
 
 def test_plain_aggregator_sees_the_representation(monkeypatch, small_federation):
@@ -58,15 +62,15 @@ def test_plain_aggregator_sees_the_representation(monkeypatch, small_federation)
 def test_masked_contributions_carry_no_information(monkeypatch, small_federation):
     raw, d = small_federation
     seen, truth = _capture(monkeypatch, "mask", raw, d)
-    assert seen.dtype == np.uint64
+    assert seen.dtype == np.uint32  # the 32-bit ring of representation sums
     guess = _as_signed_fixed_point(seen)
     # masks are fresh random keys each run, so every statistic below is random: under
     # independence a sample correlation (or a bit frequency, in units of 0.5) has standard
-    # deviation ~1/sqrt(n). The run checks 89 of them (2 correlations, 64 bit frequencies, 23
+    # deviation ~1/sqrt(n). The run checks 45 of them (2 correlations, 32 bit frequencies, 11
     # sign agreements): at Z_BOUND = 6 sigma each fails with probability 2.0e-9 (two-sided
-    # normal tail), the run with at most 89 times that, 1.8e-7 (5 sigma gave 5.1e-5). The plain
-    # path above reaches > 0.999 and the unmasked encoding's sign agreement > 0.99, both far
-    # past these bounds (at most 6 / sqrt(1000) = 0.19).
+    # normal tail), the run with at most 45 times that, 9e-8. The plain path above reaches
+    # > 0.999 and the unmasked encoding's sign agreement > 0.99, both far past these bounds
+    # (at most 6 / sqrt(1000) = 0.19).
     n = len(seen)
     assert n >= 1000
     corr_bound = Z_BOUND / np.sqrt(n)
@@ -77,15 +81,16 @@ def test_masked_contributions_carry_no_information(monkeypatch, small_federation
     # every bit of the masked words is balanced, and high bits do not follow the sign bit
     tol = Z_BOUND * 0.5 / np.sqrt(len(seen))  # Z_BOUND sigma per bit
     assert np.all(np.abs(_bits(seen).mean(axis=0) - 0.5) < tol)
-    assert np.all(np.abs(_sign_agreement(seen)[40:63] - 0.5) < tol)
+    assert np.all(np.abs(_sign_agreement(seen)[20:31] - 0.5) < tol)
     # the same statistic exposes the unmasked encoding: its high bits all copy the sign bit
-    enc = np.round(truth * 2**20).astype(np.int64).view(np.uint64)
-    assert np.all(_sign_agreement(enc)[40:63] > 0.99)
+    enc = np.round(truth * 2**FRAC_BITS).astype(np.int32).view(np.uint32)
+    assert np.all(_sign_agreement(enc)[20:31] > 0.99)
 
 
 def _bits(words: np.ndarray) -> np.ndarray:
-    """[n, 64] bits, most significant first."""
-    return np.unpackbits(words.astype(">u8").view(np.uint8)).reshape(-1, 64)
+    """[n, width] bits, most significant first."""
+    width = 8 * words.dtype.itemsize
+    return np.unpackbits(words.astype(f">u{width // 8}").view(np.uint8)).reshape(-1, width)
 
 
 def _sign_agreement(words: np.ndarray) -> np.ndarray:
